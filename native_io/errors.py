@@ -1,0 +1,187 @@
+"""The one exception hierarchy of rolloutd.
+
+Every error has a stable ``code`` that crosses the wire (never a pickled exception or a class
+path); :func:`error_from_code` turns a code and message back into the matching class on the
+client side. Each class also inherits the matching builtin, so ``except TimeoutError`` works
+without knowing our names.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class RolloutdError(Exception):
+    """Root of every error rolloutd raises on purpose."""
+
+    code: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str, *, details: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, object] = details or {}
+
+
+# --- configuration and input -------------------------------------------------------------
+
+
+class ConfigError(RolloutdError, ValueError):
+    code = "CONFIG"
+
+
+class BadRequest(RolloutdError, ValueError):
+    """The request could not be understood: malformed frames, unknown fields, wrong types."""
+
+    code = "BAD_REQUEST"
+
+
+class UnsupportedVersion(BadRequest):
+    code = "UNSUPPORTED_VERSION"
+
+
+class MessageTooLarge(BadRequest):
+    code = "MESSAGE_TOO_LARGE"
+
+
+class DuplicateRequest(RolloutdError, ValueError):
+    code = "DUPLICATE_REQUEST"
+
+
+class PermissionDenied(RolloutdError, PermissionError):
+    code = "PERMISSION_DENIED"
+
+
+class NotFound(RolloutdError, LookupError):
+    code = "NOT_FOUND"
+
+
+# --- capacity and lifecycle --------------------------------------------------------------
+
+
+class Busy(RolloutdError, RuntimeError):
+    """A bounded queue is full; retry later or raise the named limit."""
+
+    code = "BUSY"
+
+
+class ShuttingDown(RolloutdError, RuntimeError):
+    code = "SHUTTING_DOWN"
+
+
+class DaemonUnavailable(RolloutdError, ConnectionError):
+    """The client cannot reach a daemon at the configured address."""
+
+    code = "DAEMON_UNAVAILABLE"
+
+
+class WorkerLost(RolloutdError, RuntimeError):
+    """The worker that was running this request died; the request may have had side effects."""
+
+    code = "WORKER_LOST"
+
+
+class NodeLost(RolloutdError, RuntimeError):
+    code = "NODE_LOST"
+
+
+class Cancelled(RolloutdError):
+    code = "CANCELLED"
+
+
+class OperationTimeout(RolloutdError, TimeoutError):
+    code = "TIMEOUT"
+
+
+# --- sandboxes and sessions --------------------------------------------------------------
+
+
+class SandboxError(RolloutdError, RuntimeError):
+    code = "SANDBOX"
+
+
+class SandboxStartError(SandboxError):
+    code = "SANDBOX_START"
+
+
+class SandboxLost(SandboxError):
+    """The sandbox (or the worker owning it) is gone; open a new one."""
+
+    code = "SANDBOX_LOST"
+
+
+class ImageError(SandboxError):
+    code = "IMAGE"
+
+
+class SessionError(SandboxError):
+    code = "SESSION"
+
+
+class CommandTimeout(SessionError, TimeoutError):
+    code = "COMMAND_TIMEOUT"
+
+
+class KernelError(SessionError):
+    code = "KERNEL"
+
+
+class KernelDied(KernelError):
+    code = "KERNEL_DIED"
+
+
+# --- inference -----------------------------------------------------------------------------
+
+
+class InferenceError(RolloutdError, RuntimeError):
+    code = "INFERENCE"
+
+
+class NoInferenceServer(InferenceError):
+    code = "NO_INFERENCE_SERVER"
+
+
+class InferenceProtocolError(InferenceError):
+    """A server answered with something that breaks the documented protocol."""
+
+    code = "INFERENCE_PROTOCOL"
+
+
+class InferenceTimeout(InferenceError, TimeoutError):
+    code = "INFERENCE_TIMEOUT"
+
+
+# --- rollouts --------------------------------------------------------------------------------
+
+
+class TaskError(RolloutdError, ValueError):
+    code = "TASK"
+
+
+class AgentError(RolloutdError, RuntimeError):
+    code = "AGENT"
+
+
+def _all_subclasses(cls: type[RolloutdError]) -> list[type[RolloutdError]]:
+    out: list[type[RolloutdError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[RolloutdError]] = {RolloutdError.code: RolloutdError}
+for _cls in _all_subclasses(RolloutdError):
+    assert _cls.code not in _BY_CODE, f"duplicate error code {_cls.code}"
+    _BY_CODE[_cls.code] = _cls
+
+
+def error_from_code(code: str, message: str, details: dict[str, object] | None = None) -> RolloutdError:
+    """The exception a client raises for an error reply; unknown codes map to the root class."""
+    exc = _BY_CODE.get(code, RolloutdError)(message, details=details)
+    if exc.code != code:
+        exc.details.setdefault("code", code)
+    return exc
+
+
+def known_codes() -> frozenset[str]:
+    return frozenset(_BY_CODE)
