@@ -1,0 +1,135 @@
+"""The trajectory a trainer receives: token arrays exactly as the inference server produced them.
+
+``response_ids`` interleaves model tokens (mask 1, with the server's log-probability) and
+observation tokens (mask 0, log-probability 0.0). Nothing in it was decoded and re-encoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "timeout", "cancelled", "error"})
+STAGES = ("init", "run", "eval")
+
+
+@dataclass
+class TurnRecord:
+    """One model turn: where its generated tokens sit in ``response_ids`` and what made them."""
+
+    start: int
+    """Index in ``response_ids`` of the turn's first generated token."""
+    end: int
+    """One past the turn's last generated token (``response_mask[start:end]`` is all 1)."""
+    weight_version: str
+    """The inference server's weight version when it produced this turn."""
+    finish_reason: str
+    """The server's finish reason for the turn: ``stop``, ``length`` or ``abort``."""
+    server: str = ""
+    """Address of the inference server that produced the turn."""
+
+
+@dataclass
+class ToolStats:
+    count: int = 0
+    errors: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, duration_s: float, ok: bool) -> None:
+        self.count += 1
+        self.errors += 0 if ok else 1
+        self.total_s += duration_s
+        self.max_s = max(self.max_s, duration_s)
+
+
+@dataclass
+class Trajectory:
+    request_id: str
+    sample_index: int
+    task_id: str
+    prompt_ids: np.ndarray
+    """int32, the chat-templated prompt (system + task), encoded once."""
+    response_ids: np.ndarray
+    """int32, model and observation tokens after the prompt, in order."""
+    response_mask: np.ndarray
+    """uint8, 1 where the model generated the token, 0 for observation/template tokens."""
+    response_logprobs: np.ndarray
+    """float32, the server's log-probability of each model token; 0.0 where the mask is 0."""
+    reward: float
+    finish_reason: str
+    """``completed``, ``max_turns``, ``max_tokens``, ``timeout``, ``cancelled`` or ``error``."""
+    num_turns: int
+    turns: list[TurnRecord] = field(default_factory=list)
+    error_code: str | None = None
+    error_message: str | None = None
+    stage_s: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in each stage (``init``, ``run``, ``eval``)."""
+    queued_s: float = 0.0
+    """Seconds spent waiting for stage slots (not counted against time-outs)."""
+    tools: dict[str, ToolStats] = field(default_factory=dict)
+    template_append_only: bool = True
+    """False when the chat template re-rendered earlier turns differently (see ``segments``)."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """Ranges of ``response_ids`` that each extend one consistent token history; a single range
+    unless the history was rewritten (black-box agents) or the template is not append-only."""
+    agent: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.response_mask) != n or len(self.response_logprobs) != n:
+            raise ValueError(
+                f"trajectory {self.request_id}/{self.sample_index}: response arrays differ in length "
+                f"(ids {n}, mask {len(self.response_mask)}, logprobs {len(self.response_logprobs)})"
+            )
+
+    @property
+    def weight_versions(self) -> list[str]:
+        return [t.weight_version for t in self.turns]
+
+    @property
+    def num_model_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def scalar_fields(self) -> dict[str, Any]:
+        """Everything except the arrays, as plain JSON-friendly values."""
+        return {
+            "request_id": self.request_id,
+            "sample_index": self.sample_index,
+            "task_id": self.task_id,
+            "reward": self.reward,
+            "finish_reason": self.finish_reason,
+            "num_turns": self.num_turns,
+            "turns": [vars(t) for t in self.turns],
+            "error_code": self.error_code,
+            "error_message": self.error_message,
+            "stage_s": dict(self.stage_s),
+            "queued_s": self.queued_s,
+            "tools": {k: vars(v) for k, v in self.tools.items()},
+            "template_append_only": self.template_append_only,
+            "segments": [list(s) for s in self.segments],
+            "agent": self.agent,
+            "metrics": dict(self.metrics),
+        }
+
+    @classmethod
+    def from_parts(cls, scalars: dict[str, Any], arrays: dict[str, np.ndarray]) -> "Trajectory":
+        s = dict(scalars)
+        s["turns"] = [TurnRecord(**t) for t in s.get("turns", [])]
+        s["tools"] = {k: ToolStats(**v) for k, v in s.get("tools", {}).items()}
+        s["segments"] = [tuple(x) for x in s.get("segments", [])]
+        return cls(**s, **arrays)
+
+    ARRAY_FIELDS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
+    ARRAY_DTYPES = {
+        "prompt_ids": np.int32,
+        "response_ids": np.int32,
+        "response_mask": np.uint8,
+        "response_logprobs": np.float32,
+    }
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.ARRAY_FIELDS}
