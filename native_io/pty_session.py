@@ -29,6 +29,7 @@ from pathlib import Path
 import ptyprocess
 
 from .errors import CommandTimeout, SessionError
+from .output import OutputCollector
 
 log = logging.getLogger(__name__)
 
@@ -63,47 +64,14 @@ class PtyShellConfig:
     """The same folder as the shell sees it (inside the container)."""
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    init_script: str = ""
+    """Shell text run once after start-up (limits, environment) before the first command."""
     max_output_bytes: int = 64 * 1024
     """Output kept per command (half head, half tail); the rest is counted, not kept."""
     start_timeout_s: float = 30.0
     interrupt_grace_s: float = 1.0
     """After SIGINT, how long the shell has to come back before it is killed and respawned."""
     term_grace_s: float = 0.5
-
-
-class _Collector:
-    """Keeps the first and last halves of a command's output and counts every byte."""
-
-    def __init__(self, cap: int) -> None:
-        self.head_cap = cap // 2
-        self.tail_cap = cap - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, data: bytes | bytearray | memoryview) -> None:
-        self.total += len(data)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.tail_cap:
-                del self.tail[: len(self.tail) - self.tail_cap]
-
-    def text(self) -> tuple[str, bool]:
-        if len(self.tail) > self.tail_cap:
-            del self.tail[: len(self.tail) - self.tail_cap]
-        kept = len(self.head) + len(self.tail)
-        truncated = kept < self.total
-        if not truncated:
-            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace"), False
-        marker = f"\n[... {self.total - kept} bytes omitted of {self.total} ...]\n"
-        return (
-            self.head.decode("utf-8", "replace") + marker + self.tail.decode("utf-8", "replace"),
-            True,
-        )
 
 
 class PtySession:
@@ -116,7 +84,7 @@ class PtySession:
         self._pidfd: int | None = None
         self._exited: asyncio.Future[int] | None = None
         self._scan = bytearray()
-        self._collector: _Collector | None = None
+        self._collector: OutputCollector | None = None
         self._waiter: asyncio.Future[int] | None = None
         self._token = ""
         self._lock = asyncio.Lock()
@@ -140,7 +108,7 @@ class PtySession:
         self._loop = asyncio.get_running_loop()
         cfg = self.config
         cfg.command_dir_host.mkdir(parents=True, exist_ok=True, mode=0o700)
-        env = {"PS1": "", "PS2": "", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **cfg.env}
+        env = {**os.environ, "PS1": "", "PS2": "", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **cfg.env}
         try:
             self._proc = await self._loop.run_in_executor(
                 None,
@@ -160,9 +128,11 @@ class PtySession:
         # off so background jobs print no "[1] 1234" notices.
         try:
             await self._roundtrip(
-                "stty -echo -onlcr 2>/dev/null; set +m; unset HISTFILE; PS1=''; PS2=''",
+                "stty -echo -onlcr 2>/dev/null; set +m; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''",
                 timeout=cfg.start_timeout_s,
             )
+            if cfg.init_script:
+                await self._roundtrip(cfg.init_script, timeout=cfg.start_timeout_s)
         except (CommandTimeout, SessionError) as e:
             await self._kill()
             raise SessionError(
@@ -219,7 +189,7 @@ class PtySession:
             os.close(self._pidfd)
             self._pidfd = None
         with contextlib.suppress(OSError):
-            os.close(proc.fd)
+            proc.fileobj.close()  # owns the PTY descriptor
         # We reaped the child and closed the fd ourselves; stop ptyprocess' __del__ from
         # calling its blocking close().
         proc.closed = True
@@ -236,8 +206,11 @@ class PtySession:
             return
         self._loop.remove_reader(self._pidfd)  # type: ignore[arg-type]
         code = os.waitstatus_to_exitcode(status)
-        # Drain what the shell printed before it died.
+        # Drain what the shell printed before it died; no sentinel can follow now.
         self._on_readable()
+        if self._collector is not None:
+            self._collector.add(self._scan)
+        self._scan.clear()
         if not self._exited.done():
             self._exited.set_result(code)
         if self._waiter is not None and not self._waiter.done():
@@ -326,7 +299,7 @@ class PtySession:
             )
             self._write_command_file(payload)
             shell_path = f"{self.config.command_dir_shell}/cmd.sh"
-            collector = _Collector(self.config.max_output_bytes)
+            collector = OutputCollector(self.config.max_output_bytes)
             self._scan.clear()
             self._collector = collector
             t0 = time.monotonic()
@@ -348,7 +321,8 @@ class PtySession:
                 except _ShellExited as e:
                     rc = e.code
                     restarted = True
-                    self._detach()
+                    # The new shell's first prompt is not this command's output.
+                    self._collector = None
                     await self._respawn()
             finally:
                 self._collector = None

@@ -1,0 +1,222 @@
+"""The ``apptainer`` backend: one rootless Apptainer instance per sandbox.
+
+- Rootless: as root the default (setuid-style) mode fails on machines that withhold a
+  capability, and container root would hold real host capabilities, so root always adds
+  ``--userns``; an ordinary user needs nothing extra.
+- ``--containall`` with explicit binds only (the host home is not mounted), optional
+  ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
+- Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
+  with the user's instances and are removed with the sandbox.
+- Stop ladder: SIGTERM to the instance's init, then SIGKILL; killing a PID namespace's init kills
+  every process in it, including those started with ``apptainer exec instance://``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from rolloutd.native_io.errors import SandboxStartError
+
+from .base import RUN_DIR_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
+from .images import resolve_image
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 1.0
+
+
+def apptainer_available() -> bool:
+    return shutil.which("apptainer") is not None
+
+
+def _pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (orphans may wait a long time for PID 1 to reap them)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+class ApptainerSandbox(Sandbox):
+    backend_name = "apptainer"
+    isolated = True
+
+    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, backend: "ApptainerBackend") -> None:
+        super().__init__(sandbox_id, spec, lease_dir)
+        self.backend = backend
+        self.instance_name = f"rld-{sandbox_id}"
+        self.init_pid: int | None = None
+        self._pidns: int | None = None
+        self.image_path: Path | None = None
+
+    @property
+    def run_dir_inside(self) -> str:
+        return RUN_DIR_INSIDE
+
+    @property
+    def workspace_inside(self) -> str:
+        return WORKSPACE_INSIDE
+
+    @property
+    def python(self) -> str:
+        return "python3"
+
+    def _start_argv(self, image: Path) -> list[str]:
+        spec = self.spec
+        argv = ["apptainer", "-q", "instance", "start", "--containall"]
+        if os.getuid() == 0:
+            argv.append("--userns")
+        if not spec.network:
+            argv += ["--net", "--network", "none"]
+        if spec.writable == "tmpfs":
+            argv.append("--writable-tmpfs")
+        else:
+            overlay = self.lease_dir / "overlay"
+            overlay.mkdir(mode=0o700, exist_ok=True)
+            argv += ["--overlay", str(overlay)]
+        argv += ["--bind", f"{self.run_dir}:{RUN_DIR_INSIDE}", "--bind", f"{self.workspace}:{WORKSPACE_INSIDE}"]
+        for host, inside, mode in spec.binds:
+            argv += ["--bind", f"{host}:{inside}:{mode}"]
+        argv += ["--pid-file", str(self.lease_dir / "instance.pid"), str(image), self.instance_name]
+        return argv
+
+    async def start(self) -> None:
+        self.prepare_folders()
+        self.image_path = await resolve_image(self.spec.image)
+        argv = self._start_argv(self.image_path)
+        # Output goes to a file, not a pipe: the instance's daemon inherits the start command's
+        # descriptors, and a pipe would then never reach EOF.
+        start_log = self.lease_dir / "start.log"
+        with open(start_log, "wb") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=str(self.lease_dir),
+                env=self.backend.env(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+            )
+        try:
+            await asyncio.wait_for(proc.wait(), self.backend.start_timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            await self.stop()
+            raise SandboxStartError(
+                f"apptainer instance start took over {self.backend.start_timeout_s} s "
+                f"(sandbox start_timeout_s) for image {self.image_path}"
+            ) from None
+        pid_file = self.lease_dir / "instance.pid"
+        pid_text = pid_file.read_text().strip() if pid_file.exists() else ""
+        if proc.returncode != 0 or not pid_text.isdigit():
+            output = start_log.read_text(errors="replace").strip()[-1500:]
+            await self.stop()
+            raise SandboxStartError(
+                f"apptainer instance start failed (exit {proc.returncode}) for image {self.image_path}: "
+                f"{output}\ncommand: {' '.join(argv)}"
+            )
+        self.init_pid = int(pid_text)
+        with contextlib.suppress(OSError):
+            self._pidns = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
+
+    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
+        # The instance is registered under the daemon's own config dir, which exec must see too.
+        cmd = ["env", f"APPTAINER_CONFIGDIR={self.backend.config_dir}", "apptainer", "-q", "exec", "--cleanenv"]
+        for k, v in (env or {}).items():
+            cmd += ["--env", f"{k}={v}"]
+        cmd += ["--pwd", cwd or WORKSPACE_INSIDE, f"instance://{self.instance_name}", *argv]
+        return cmd
+
+    def process_ids(self) -> list[int]:
+        if self._pidns is None:
+            return []
+        out = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino == self._pidns:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+        return [p for p in out if _pid_alive(p)]
+
+    async def stop(self) -> None:
+        pid = self.init_pid
+        rung = "exited"
+        if pid is not None and _pid_alive(pid):
+            rung = "sigterm"
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if _pid_alive(pid):
+                rung = "sigkill"
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                while _pid_alive(pid) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        self.stop_rung = rung
+        self.backend.forget_instance(self.instance_name)
+        self.remove_folders()
+
+
+class ApptainerBackend(SandboxBackend):
+    name = "apptainer"
+
+    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0) -> None:
+        if not apptainer_available():
+            raise SandboxStartError(
+                "the apptainer backend needs the `apptainer` command (>= 1.1); install it "
+                "(scripts/install-apptainer on Debian) or use backend 'local'"
+            )
+        self.state_dir = state_dir
+        self.start_timeout_s = start_timeout_s
+        self.config_dir = state_dir / "apptainer"
+        self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("APPTAINER_", "SINGULARITY_"))}
+        env["APPTAINER_CONFIGDIR"] = str(self.config_dir)
+        return env
+
+    def create(self, spec: SandboxSpec) -> ApptainerSandbox:
+        sid = uuid.uuid4().hex[:10]
+        return ApptainerSandbox(sid, spec, self.state_dir / sid, self)
+
+    async def resolve_image(self, image: str) -> str:
+        return str(await resolve_image(image))
+
+    def forget_instance(self, name: str) -> None:
+        """Remove the instance's state file and logs (Apptainer never removes logs)."""
+        host = socket.gethostname().split(".")[0]
+        user = _username()
+        for sub in (self.config_dir / "instances" / "app" / host / user / name,):
+            shutil.rmtree(sub, ignore_errors=True)
+        for suffix in (".out", ".err"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.config_dir / "instances" / "logs" / host / user / f"{name}{suffix}").unlink()
+
+    def leftover_instances(self) -> list[str]:
+        """Instance state files still present (tests assert this is empty after shutdown)."""
+        app = self.config_dir / "instances" / "app"
+        return [p.name for p in app.glob("*/*/*") if p.is_dir()] if app.exists() else []
+
+
+def _username() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name

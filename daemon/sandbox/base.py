@@ -1,0 +1,195 @@
+"""What every sandbox backend provides: a folder tree per sandbox and a way to run processes in it.
+
+A sandbox owns one *lease folder* on the host (mode 0700)::
+
+    <lease>/run/        bound at /run/rolloutd inside: command files, kernel connection files
+                        and the kernel's ipc sockets (Unix sockets, never TCP)
+    <lease>/workspace/  bound at /workspace inside: where tasks put their repositories
+    <lease>/overlay/    the writable layer of an ``overlay`` Apptainer sandbox
+
+Backends differ only in how a process is started inside (``exec_argv``) and how the sandbox is
+created and destroyed.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rolloutd.native_io.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_INSIDE = "/run/rolloutd"
+WORKSPACE_INSIDE = "/workspace"
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    command_timeout_s: float = 120.0
+    """Default wall-time limit of one shell command or IPython cell."""
+    max_output_bytes: int = 64 * 1024
+    """Output kept per command (head and tail); the total is still reported."""
+    max_processes: int = 512
+    """Processes a sandbox may run at once; beyond it, forks fail (unprivileged, RLIMIT_NPROC)
+    and the watchdog destroys the sandbox (every mode)."""
+    max_memory_mb: int | None = 8192
+    """Address-space limit per process inside the sandbox (RLIMIT_AS); None for no limit."""
+
+    def __post_init__(self) -> None:
+        if self.command_timeout_s <= 0:
+            raise ConfigError(f"command_timeout_s must be > 0, got {self.command_timeout_s}")
+        if self.max_output_bytes < 1024:
+            raise ConfigError(f"max_output_bytes must be >= 1024, got {self.max_output_bytes}")
+        if self.max_processes < 8:
+            raise ConfigError(f"max_processes must be >= 8, got {self.max_processes}")
+        if self.max_memory_mb is not None and self.max_memory_mb < 64:
+            raise ConfigError(f"max_memory_mb must be >= 64 or None, got {self.max_memory_mb}")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a caller asks for. Two equal specs can share a warm pool."""
+
+    image: str = "default"
+    """``default`` (the bundled Debian image), a SIF file, a sandbox folder or ``docker://...``."""
+    network: bool = False
+    """False: no network at all inside (``--network none``); the kernel still works over ipc."""
+    writable: Literal["tmpfs", "overlay"] = "tmpfs"
+    """Writable layer over the image: ``tmpfs`` (RAM; capped at 64 MiB for unprivileged users)
+    or ``overlay`` (a folder in the lease, on disk)."""
+    ipython: bool = True
+    """Start an IPython kernel with the sandbox (needs ipykernel in the image)."""
+    binds: tuple[tuple[str, str, str], ...] = ()
+    """Extra ``(host path, container path, "ro"|"rw")`` binds."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    def __post_init__(self) -> None:
+        if self.writable not in ("tmpfs", "overlay"):
+            raise ConfigError(f"writable must be 'tmpfs' or 'overlay', got {self.writable!r}")
+        for bind in self.binds:
+            if len(bind) != 3 or bind[2] not in ("ro", "rw") or not bind[1].startswith("/"):
+                raise ConfigError(f"bind {bind!r} must be (host path, absolute container path, 'ro'|'rw')")
+
+
+class Sandbox(abc.ABC):
+    """One isolated place to run a shell, a kernel and test suites."""
+
+    backend_name: str = ""
+    isolated: bool = True
+
+    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path) -> None:
+        self.id = sandbox_id
+        self.spec = spec
+        self.lease_dir = lease_dir
+        self.stop_rung: str | None = None
+        """How the last stop ended (``sigterm``/``sigkill``/``exited``), for tests and logs."""
+        self.session_ids: set[int] = set()
+        """Sessions of the shells and kernels started here (the watchdog and stop use them)."""
+
+    # Paths as seen from the host and from inside.
+    @property
+    def run_dir(self) -> Path:
+        return self.lease_dir / "run"
+
+    @property
+    def workspace(self) -> Path:
+        return self.lease_dir / "workspace"
+
+    @property
+    @abc.abstractmethod
+    def run_dir_inside(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def workspace_inside(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def python(self) -> str:
+        """The python interpreter to start kernels with, as seen inside."""
+
+    def prepare_folders(self) -> None:
+        for d in (self.lease_dir, self.run_dir, self.workspace):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def remove_folders(self) -> None:
+        shutil.rmtree(self.lease_dir, ignore_errors=True)
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Create the sandbox; raise SandboxStartError with an actionable message on failure."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Destroy the sandbox and everything running in it; never raises."""
+
+    @abc.abstractmethod
+    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
+        """The host command line that runs ``argv`` inside the sandbox."""
+
+    def process_ids(self) -> list[int]:
+        """Host PIDs of every process currently running in the sandbox (for the watchdog)."""
+        return pids_in_sessions(self.session_ids)
+
+    def limits_prelude(self) -> str:
+        """Shell text that applies the process limits to whatever the shell starts next.
+
+        RLIMIT_NPROC counts every process of the user, so the limit is set above what the user
+        already runs. The kernel ignores it for root; the watchdog covers that case.
+        """
+        lim = self.spec.limits
+        parts = []
+        if os.getuid() != 0:
+            parts.append(f"ulimit -u $(( $(ps -U $(id -u) -o pid= 2>/dev/null | wc -l) + {lim.max_processes} )) 2>/dev/null")
+        if lim.max_memory_mb is not None:
+            parts.append(f"ulimit -v {lim.max_memory_mb * 1024} 2>/dev/null")
+        # Make the kernel's OOM killer pick sandbox processes before the daemon.
+        parts.append("echo 1000 > /proc/self/oom_score_adj 2>/dev/null")
+        return "; ".join(parts)
+
+
+class SandboxBackend(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        """A new, not yet started sandbox with its own lease folder."""
+
+    async def resolve_image(self, image: str) -> str:
+        """The concrete image a spec's ``image`` names (built or converted if needed)."""
+        return image
+
+    async def close(self) -> None:
+        """Release backend-wide resources."""
+
+
+def pids_in_sessions(session_ids: set[int]) -> list[int]:
+    """Live (non-zombie) processes whose session id is one of ``session_ids``.
+
+    Every process a PTY shell or a kernel starts inherits its session unless it calls setsid,
+    so this finds fork bombs and background jobs without cgroups.
+    """
+    if not session_ids:
+        return []
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if rest[0] == b"Z":
+            continue
+        if int(rest[4]) in session_ids:
+            out.append(int(entry.name))
+    return out

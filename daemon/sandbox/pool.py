@@ -1,0 +1,313 @@
+"""Warm pool: sandboxes started ahead of time, with their shell (and kernel) already answering.
+
+A cold sandbox costs 0.3-20 s (instance start, kernel start-up ~0.7 s); a lease from the pool
+costs one shell probe. Every lease gets a fresh sandbox: on release the sandbox is destroyed in
+the background and a new one is started, so a lease never sees the files or processes of the
+previous one (an overlay mounted in a live instance cannot be reset safely in place).
+A watchdog destroys any sandbox whose process count passes its limit (fork bombs), which also
+covers root, where the kernel ignores RLIMIT_NPROC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
+from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
+
+from ..sessions.ipython import ExecuteResult, KernelSession
+from .base import Sandbox, SandboxBackend, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lease:
+    """A started sandbox with its sessions; what a rollout or a trainer's sandbox handle holds."""
+
+    sandbox: Sandbox
+    shell: PtySession
+    kernel: KernelSession | None
+    created_at: float = field(default_factory=time.monotonic)
+    leased_at: float | None = None
+    lost_reason: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.sandbox.id
+
+    def _check(self) -> None:
+        if self.lost_reason:
+            raise SandboxLost(f"sandbox {self.id} is gone: {self.lost_reason}")
+
+    async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
+        self._check()
+        limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
+        try:
+            return await self.shell.run(command, timeout_s=limit)
+        except SessionError:
+            self._check()
+            raise
+
+    async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
+        self._check()
+        if self.kernel is None:
+            raise SessionError(
+                f"sandbox {self.id} has no IPython kernel: open it with ipython=True "
+                "(the image needs ipykernel)"
+            )
+        limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
+        try:
+            return await self.kernel.execute(code, timeout_s=limit)
+        except SessionError:
+            self._check()
+            raise
+
+    async def destroy(self) -> None:
+        # The sandbox first: killing an instance's init ends every process inside at once, so the
+        # sessions below only have to reap and close their sockets.
+        await self.sandbox.stop()
+        await self.shell.close()
+        if self.kernel is not None:
+            await self.kernel.close()
+
+
+async def open_lease(sandbox: Sandbox) -> Lease:
+    """Start ``sandbox`` and its sessions; on any failure nothing is left running."""
+    await sandbox.start()
+    spec = sandbox.spec
+    shell = PtySession(
+        PtyShellConfig(
+            argv=sandbox.exec_argv(default_shell_argv(), cwd=sandbox.workspace_inside,
+                                   env={"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat"}
+                                   if sandbox.isolated else None),
+            command_dir_host=sandbox.run_dir / "sh",
+            command_dir_shell=f"{sandbox.run_dir_inside}/sh",
+            max_output_bytes=spec.limits.max_output_bytes,
+            init_script=sandbox.limits_prelude(),
+        ),
+        name=f"shell-{sandbox.id}",
+    )
+    kernel: KernelSession | None = None
+    try:
+        await shell.start()
+        if shell.pid is not None:
+            sandbox.session_ids.add(shell.pid)
+        # The first command of a new shell pays for loading the command path; pay it here.
+        await shell.run(":", timeout_s=10.0)
+        if spec.ipython:
+            kernel = KernelSession(sandbox, max_output_bytes=spec.limits.max_output_bytes, name=f"kernel-{sandbox.id}")
+            await kernel.start()
+    except BaseException:
+        await sandbox.stop()
+        await shell.close()
+        if kernel is not None:
+            await kernel.close()
+        raise
+    return Lease(sandbox, shell, kernel)
+
+
+class WarmPool:
+    """Keeps ``size`` ready leases for each warm spec; other specs are started cold on demand."""
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        *,
+        warm_specs: dict[SandboxSpec, int] | None = None,
+        max_age_s: float = 3600.0,
+        start_concurrency: int = 2,
+        watchdog_interval_s: float = 1.0,
+    ) -> None:
+        self.backend = backend
+        self.warm_specs = dict(warm_specs or {})
+        self.max_age_s = max_age_s
+        self.watchdog_interval_s = watchdog_interval_s
+        self._ready: dict[SandboxSpec, deque[Lease]] = {s: deque() for s in self.warm_specs}
+        self._starting: dict[SandboxSpec, int] = {s: 0 for s in self.warm_specs}
+        self._leased: dict[str, Lease] = {}
+        self._start_slots = asyncio.Semaphore(start_concurrency)
+        self._wakeup = asyncio.Event()
+        self._ready_changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._destroying: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
+                         "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0}
+        self.last_start_error: str | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._spawn(self._replenish_loop())
+        self._spawn(self._watchdog_loop())
+        self._wakeup.set()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every warm spec has its full count of ready leases (or a start keeps failing)."""
+        async with self._ready_changed:
+            await asyncio.wait_for(
+                self._ready_changed.wait_for(
+                    lambda: all(len(self._ready[s]) >= n for s, n in self.warm_specs.items())
+                    or self.counters["start_failures"] > 0
+                ),
+                timeout_s,
+            )
+        if self.counters["start_failures"] and self.last_start_error:
+            raise SandboxStartError(f"warm pool could not start a sandbox: {self.last_start_error}")
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Destructions already under way are finished, never cancelled half-way.
+        await asyncio.gather(*self._destroying, return_exceptions=True)
+        leases = [l for q in self._ready.values() for l in q] + list(self._leased.values())
+        for q in self._ready.values():
+            q.clear()
+        self._leased.clear()
+        await asyncio.gather(*(self._destroy(l) for l in leases), return_exceptions=True)
+
+    # --- leasing --------------------------------------------------------------------------
+
+    async def lease(self, spec: SandboxSpec) -> Lease:
+        queue = self._ready.get(spec)
+        while queue:
+            lease = queue.popleft()
+            self._wakeup.set()
+            if await self._healthy(lease):
+                return self._hand_out(lease)
+            self._destroy_later(lease)
+        self.counters["cold_starts"] += 1
+        lease = await self._start_one(spec)
+        return self._hand_out(lease)
+
+    def _hand_out(self, lease: Lease) -> Lease:
+        lease.leased_at = time.monotonic()
+        self._leased[lease.id] = lease
+        self.counters["leases"] += 1
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        """Give a lease back: its sandbox is destroyed in the background and replaced."""
+        self._leased.pop(lease.id, None)
+        self._destroy_later(lease)
+        self._wakeup.set()
+
+    def get(self, sandbox_id: str) -> Lease:
+        try:
+            return self._leased[sandbox_id]
+        except KeyError:
+            raise SandboxLost(f"no open sandbox {sandbox_id!r} (closed, expired, or its worker restarted)") from None
+
+    async def _healthy(self, lease: Lease) -> bool:
+        if lease.lost_reason or not lease.shell.alive:
+            return False
+        if lease.kernel is not None and not lease.kernel.alive:
+            return False
+        if time.monotonic() - lease.created_at > self.max_age_s:
+            self.counters["recycled_old"] += 1
+            return False
+        try:
+            return (await lease.shell.run(":", timeout_s=2.0)).exit_code == 0
+        except SessionError:
+            return False
+
+    # --- background work --------------------------------------------------------------------
+
+    async def _start_one(self, spec: SandboxSpec) -> Lease:
+        async with self._start_slots:
+            sandbox = self.backend.create(spec)
+            try:
+                lease = await open_lease(sandbox)
+            except Exception as e:
+                self.counters["start_failures"] += 1
+                self.last_start_error = str(e)
+                raise
+            self.counters["started"] += 1
+            return lease
+
+    async def _replenish_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            now = time.monotonic()
+            for spec, queue in self._ready.items():
+                for lease in [l for l in queue if now - l.created_at > self.max_age_s]:
+                    queue.remove(lease)
+                    self.counters["recycled_old"] += 1
+                    self._destroy_later(lease)
+                missing = self.warm_specs[spec] - len(queue) - self._starting[spec]
+                for _ in range(max(0, missing)):
+                    self._starting[spec] += 1
+                    self._spawn(self._fill(spec))
+
+    async def _fill(self, spec: SandboxSpec) -> None:
+        try:
+            lease = await self._start_one(spec)
+        except Exception as e:
+            log.error("warm pool: sandbox start failed: %s", e)
+            await asyncio.sleep(1.0)  # do not spin on a broken image
+            lease = None
+        finally:
+            self._starting[spec] -= 1
+        if lease is not None:
+            if self._closing:
+                await self._destroy(lease)
+                return
+            self._ready[spec].append(lease)
+        else:
+            self._wakeup.set()
+        async with self._ready_changed:
+            self._ready_changed.notify_all()
+
+    def _destroy_later(self, lease: Lease) -> None:
+        task = asyncio.get_running_loop().create_task(self._destroy(lease))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
+
+    async def _destroy(self, lease: Lease) -> None:
+        try:
+            await lease.destroy()
+        except Exception:
+            log.exception("destroying sandbox %s failed", lease.id)
+        self.counters["destroyed"] += 1
+
+    async def _watchdog_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.watchdog_interval_s)
+            for lease in [*self._leased.values(), *(l for q in self._ready.values() for l in q)]:
+                limit = lease.sandbox.spec.limits.max_processes
+                count = len(await asyncio.to_thread(lease.sandbox.process_ids))
+                if count > limit and not lease.lost_reason:
+                    lease.lost_reason = (
+                        f"it ran {count} processes, over its limit of {limit} (max_processes), "
+                        "and was destroyed"
+                    )
+                    log.warning("sandbox %s: %s", lease.id, lease.lost_reason)
+                    self.counters["watchdog_kills"] += 1
+                    for queue in self._ready.values():
+                        with contextlib.suppress(ValueError):
+                            queue.remove(lease)
+                    await lease.sandbox.stop()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ready": sum(len(q) for q in self._ready.values()),
+            "starting": sum(self._starting.values()),
+            "leased": len(self._leased),
+            **self.counters,
+        }

@@ -1,0 +1,302 @@
+"""An IPython kernel inside a sandbox, reached directly with jupyter_client (no gateway, no TCP).
+
+The kernel listens on ``ipc`` sockets in the sandbox's run folder, which is bound into the
+container; the host and the kernel each get a connection file with the paths as they see them
+and the same signing key. Readiness means a real ``kernel_info`` round trip with iopub
+connected. A timed-out cell is interrupted over the control channel; a kernel that does not come
+back, or dies, is restarted and the caller is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any
+
+from jupyter_client.asynchronous import AsyncKernelClient
+
+from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
+from rolloutd.native_io.output import OutputCollector
+
+from ..sandbox.base import Sandbox
+
+log = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    status: str
+    """``ok`` or ``error``."""
+    stdout: str
+    stderr: str
+    result: str | None
+    """``text/plain`` of the cell's value (``Out[n]``), if any."""
+    error: dict[str, Any] | None = None
+    """``{"ename", "evalue", "traceback"}`` (traceback without colour codes) when status is error."""
+    truncated: bool = False
+    duration_s: float = 0.0
+    displays: list[str] = field(default_factory=list)
+    kernel_restarted: bool = False
+
+
+class KernelSession:
+    """One kernel process in one sandbox. Cells run one at a time."""
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        ready_timeout_s: float = 60.0,
+        interrupt_grace_s: float = 2.0,
+        max_output_bytes: int = 64 * 1024,
+        name: str = "kernel",
+    ) -> None:
+        self.sandbox = sandbox
+        self.ready_timeout_s = ready_timeout_s
+        self.interrupt_grace_s = interrupt_grace_s
+        self.max_output_bytes = max_output_bytes
+        self.name = name
+        self._proc: asyncio.subprocess.Process | None = None
+        self._client: AsyncKernelClient | None = None
+        self._lock = asyncio.Lock()
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    def _connection(self, ip_prefix: str, key: str) -> dict[str, Any]:
+        return {"transport": "ipc", "ip": ip_prefix, "key": key, "signature_scheme": "hmac-sha256",
+                "kernel_name": "", **_PORTS}
+
+    async def start(self) -> None:
+        sb = self.sandbox
+        key = secrets.token_hex(16)
+        host_info = self._connection(str(sb.run_dir / "k"), key)
+        inside_info = self._connection(f"{sb.run_dir_inside}/k", key)
+        conn_file = sb.run_dir / "kernel.json"
+        conn_file.write_text(json.dumps(inside_info))
+        conn_file.chmod(0o600)
+        for port in _PORTS.values():  # stale sockets of a previous kernel
+            with contextlib.suppress(FileNotFoundError):
+                (sb.run_dir / f"k-{port}").unlink()
+        launch = (
+            f"{sb.limits_prelude()}; exec {sb.python} -m ipykernel_launcher "
+            f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False"
+        )
+        env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
+               "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
+        log_file = open(sb.run_dir / "kernel.log", "ab")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
+            )
+        finally:
+            log_file.close()
+        sb.session_ids.add(self._proc.pid)
+        client = AsyncKernelClient()
+        client.load_connection_info(host_info)
+        client.start_channels()
+        self._client = client
+        try:
+            await self._wait_ready()
+        except BaseException:
+            await self._stop_process()
+            raise
+
+    async def _wait_ready(self) -> None:
+        """kernel_info until it answers and iopub delivers (ZeroMQ SUB sockets join late)."""
+        client = self._client
+        assert client is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        # Requests sent before the kernel bound its sockets are answered late, all at once: any
+        # reply to any of ours counts.
+        sent: set[str] = set()
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise KernelError(f"kernel exited during start-up; see {self.sandbox.run_dir / 'kernel.log'}: {self._log_tail()}")
+            sent.add(client.kernel_info())
+            try:
+                reply = await client.get_shell_msg(timeout=0.25)
+            except Empty:
+                continue
+            if reply["parent_header"].get("msg_id") not in sent:
+                continue
+            # The kernel publishes busy/idle for each request; seeing one proves iopub is joined.
+            try:
+                while True:
+                    msg = await client.get_iopub_msg(timeout=0.25)
+                    if msg["parent_header"].get("msg_id") in sent:
+                        break
+            except Empty:
+                continue
+            # Drain the remaining replies so the first cell does not read them.
+            with contextlib.suppress(Empty):
+                while True:
+                    await client.get_shell_msg(timeout=0.05)
+            with contextlib.suppress(Empty):
+                while True:
+                    await client.get_iopub_msg(timeout=0.05)
+            return
+        raise KernelError(
+            f"kernel did not answer kernel_info within {self.ready_timeout_s} s (ready_timeout_s); "
+            f"log: {self._log_tail()}"
+        )
+
+    def _log_tail(self) -> str:
+        try:
+            return (self.sandbox.run_dir / "kernel.log").read_text(errors="replace")[-800:]
+        except OSError:
+            return ""
+
+    async def execute(self, code: str, *, timeout_s: float = 60.0) -> ExecuteResult:
+        async with self._lock:
+            restarted = False
+            if not self.alive:
+                await self._restart()
+                restarted = True
+            t0 = time.monotonic()
+            try:
+                result = await self._execute(code, timeout_s)
+            except _KernelGone:
+                code_ = self._proc.returncode if self._proc else None
+                await self._restart()
+                raise KernelDied(
+                    f"the IPython kernel died while running the cell (exit {code_}); it was restarted "
+                    "and its variables are gone"
+                ) from None
+            except CommandTimeout as e:
+                if not await self._interrupt():
+                    await self._restart()
+                    e.details["kernel_restarted"] = True
+                    e.args = (e.args[0] + "; the kernel did not stop and was restarted (variables lost)",)
+                raise
+            return ExecuteResult(**{**result, "duration_s": time.monotonic() - t0, "kernel_restarted": restarted})
+
+    async def _execute(self, code: str, timeout_s: float) -> dict[str, Any]:
+        client = self._client
+        assert client is not None
+        msg_id = client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        out = OutputCollector(self.max_output_bytes)
+        err = OutputCollector(self.max_output_bytes)
+        result: str | None = None
+        error: dict[str, Any] | None = None
+        displays: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = await self._next_iopub(deadline, timeout_s, out)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                (out if content.get("name") == "stdout" else err).add(content.get("text", "").encode())
+            elif kind == "execute_result":
+                result = content.get("data", {}).get("text/plain")
+            elif kind == "display_data":
+                displays.append(content.get("data", {}).get("text/plain", ""))
+            elif kind == "error":
+                error = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""),
+                         "traceback": [_ANSI.sub("", line) for line in content.get("traceback", [])]}
+            elif kind == "status" and content.get("execution_state") == "idle":
+                break
+        stdout, t1 = out.text()
+        stderr, t2 = err.text()
+        return {"status": "error" if error else "ok", "stdout": stdout, "stderr": stderr, "result": result,
+                "error": error, "truncated": t1 or t2, "displays": displays}
+
+    async def _next_iopub(self, deadline: float, timeout_s: float, out: OutputCollector) -> dict[str, Any]:
+        client = self._client
+        assert client is not None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                text, truncated = out.text()
+                raise CommandTimeout(
+                    f"IPython cell exceeded its {timeout_s} s limit (timeout_s) and was interrupted",
+                    details={"output": text, "truncated": truncated, "kernel_restarted": False},
+                )
+            try:
+                return await client.get_iopub_msg(timeout=min(remaining, 0.5))
+            except Empty:
+                if not self.alive:
+                    raise _KernelGone() from None
+
+    async def _interrupt(self) -> bool:
+        """Interrupt over the control channel; True when the kernel went idle again."""
+        client = self._client
+        if client is None or not self.alive:
+            return False
+        client.control_channel.send(client.session.msg("interrupt_request", content={}))
+        deadline = time.monotonic() + self.interrupt_grace_s
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    msg = await client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+                except Empty:
+                    break
+                if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                    # Drain the execute reply so the next cell's reply is not mistaken for it.
+                    with contextlib.suppress(Empty):
+                        while True:
+                            await client.get_shell_msg(timeout=0.05)
+                    return True
+        except Exception:  # a dying kernel can break the channel in several ways
+            log.debug("interrupt of kernel %s failed", self.name, exc_info=True)
+        return False
+
+    async def _restart(self) -> None:
+        self.restarts += 1
+        log.warning("restarting IPython kernel %s in sandbox %s", self.name, self.sandbox.id)
+        await self._stop_process()
+        await self.start()
+
+    async def _stop_process(self) -> None:
+        if self._client is not None:
+            self._client.stop_channels()
+            self._client = None
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            # The kernel runs in its own session: signal the whole group so the process inside
+            # the container goes too, not just the `apptainer exec` parent.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 1.0)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        self.sandbox.session_ids.discard(proc.pid)
+        self._proc = None
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._stop_process()
+
+
+class _KernelGone(Exception):
+    pass

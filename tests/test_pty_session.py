@@ -1,0 +1,105 @@
+"""The persistent PTY shell, in every sandbox backend: framing, limits, recovery."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
+from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.native_io.errors import CommandTimeout
+
+
+@pytest.fixture
+async def lease(backend: SandboxBackend) -> AsyncIterator[Lease]:
+    spec = SandboxSpec(ipython=False, limits=SandboxLimits(max_output_bytes=4096))
+    lease = await open_lease(backend.create(spec))
+    yield lease
+    await lease.destroy()
+
+
+async def test_exit_code_and_output(lease: Lease) -> None:
+    r = await lease.run("echo hi; echo err >&2; exit_code_probe() { return 3; }; exit_code_probe")
+    assert r.exit_code == 3
+    assert r.output == "hi\nerr\n"
+    assert not r.truncated and r.output_bytes == 7
+
+
+async def test_cwd_and_environment_persist(lease: Lease) -> None:
+    await lease.run("mkdir -p sub && cd sub && export ROLLOUTD_PROBE=42")
+    r = await lease.run('pwd; echo "$ROLLOUTD_PROBE"')
+    assert r.output.splitlines() == [f"{lease.sandbox.workspace_inside}/sub", "42"]
+
+
+async def test_multiline_and_heredoc(lease: Lease) -> None:
+    cmd = "for i in 1 2; do\n  echo line$i\ndone\ncat <<'EOF'\n$NOT_EXPANDED `nor this`\nEOF\n"
+    r = await lease.run(cmd)
+    assert r.output == "line1\nline2\n$NOT_EXPANDED `nor this`\n"
+
+
+async def test_command_reading_stdin_gets_eof(lease: Lease) -> None:
+    r = await lease.run("cat; read -r x; echo read_rc=$?", timeout_s=5)
+    assert r.output == "read_rc=1\n"
+
+
+async def test_background_job_does_not_block(lease: Lease) -> None:
+    r = await lease.run("sleep 30 &\necho started")
+    assert r.output == "started\n" and r.exit_code == 0
+    assert (await lease.run("jobs -p | wc -l")).output.strip() == "1"
+
+
+async def test_binary_and_invalid_utf8(lease: Lease) -> None:
+    r = await lease.run(r"printf 'ok\xff\xfe\x00end'")
+    assert r.output_bytes == 8  # o k \xff \xfe \x00 e n d
+    assert r.output.startswith("ok") and r.output.endswith("end") and "\ufffd" in r.output
+
+
+async def test_very_long_line_is_capped_with_total(lease: Lease) -> None:
+    r = await lease.run("head -c 300000 /dev/zero | tr '\\0' a")
+    assert r.truncated and r.output_bytes == 300000
+    assert r.output.startswith("a" * 2000) and r.output.endswith("a" * 2000)
+    assert "bytes omitted" in r.output
+
+
+async def test_long_command_text(lease: Lease) -> None:
+    # Longer than the PTY line discipline's 4 KiB line limit.
+    payload = "x" * 20000
+    r = await lease.run(f"echo {payload} | wc -c")
+    assert r.output.strip() == "20001"
+
+
+async def test_timeout_interrupts_and_shell_survives(lease: Lease) -> None:
+    await lease.run("export KEEP=1")
+    with pytest.raises(CommandTimeout) as e:
+        await lease.run("echo before; sleep 20", timeout_s=0.5)
+    assert e.value.details["shell_restarted"] is False
+    assert "before" in e.value.details["output"]
+    assert (await lease.run('echo "$KEEP"')).output == "1\n"
+
+
+async def test_timeout_ignoring_sigint_respawns_shell(lease: Lease) -> None:
+    await lease.run("export KEEP=1")
+    with pytest.raises(CommandTimeout) as e:
+        await lease.run("trap '' INT; sleep 20", timeout_s=0.3)
+    assert e.value.details["shell_restarted"] is True
+    r = await lease.run('echo "alive:$KEEP"')
+    assert r.output == "alive:\n"
+    assert lease.shell.restarts == 1
+
+
+async def test_exit_restarts_shell(lease: Lease) -> None:
+    r = await lease.run("echo bye; exit 7")
+    assert r.exit_code == 7 and r.shell_restarted and r.output == "bye\n"
+    assert (await lease.run("echo back")).output == "back\n"
+
+
+async def test_syntax_error_is_an_exit_code_not_a_crash(lease: Lease) -> None:
+    r = await lease.run("if then fi")
+    assert r.exit_code == 2 and "syntax error" in r.output
+    assert (await lease.run("echo fine")).output == "fine\n"
+
+
+async def test_output_cannot_fake_the_sentinel(lease: Lease) -> None:
+    r = await lease.run(r"printf '\036RLD0123456789abcdef:0\036\nafter\n'")
+    assert r.output.endswith("after\n") and r.exit_code == 0
