@@ -16,9 +16,11 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -71,6 +73,7 @@ class KernelSession:
         self._proc: asyncio.subprocess.Process | None = None
         self._client: AsyncKernelClient | None = None
         self._lock = asyncio.Lock()
+        self._running_msg_id: str | None = None
         self.restarts = 0
 
     @property
@@ -96,8 +99,9 @@ class KernelSession:
         for port in _PORTS.values():  # stale sockets of a previous kernel
             with contextlib.suppress(FileNotFoundError):
                 (sb.run_dir / f"k-{port}").unlink()
+        shutil.copyfile(Path(__file__).with_name("kernel_launcher.py"), sb.run_dir / "kernel_launcher.py")
         launch = (
-            f"{sb.limits_prelude()}; exec {sb.python} -m ipykernel_launcher "
+            f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
             f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False"
         )
         env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
@@ -197,6 +201,7 @@ class KernelSession:
         client = self._client
         assert client is not None
         msg_id = client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        self._running_msg_id = msg_id
         out = OutputCollector(self.max_output_bytes)
         err = OutputCollector(self.max_output_bytes)
         result: str | None = None
@@ -254,7 +259,12 @@ class KernelSession:
                     msg = await client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
                 except Empty:
                     break
-                if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                # The control request gets busy/idle of its own: only the cell's idle counts.
+                if (
+                    msg["msg_type"] == "status"
+                    and msg["content"].get("execution_state") == "idle"
+                    and msg["parent_header"].get("msg_id") == self._running_msg_id
+                ):
                     # Drain the execute reply so the next cell's reply is not mistaken for it.
                     with contextlib.suppress(Empty):
                         while True:
