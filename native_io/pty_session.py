@@ -133,7 +133,7 @@ class PtySession:
             )
             if cfg.init_script:
                 await self._roundtrip(cfg.init_script, timeout=cfg.start_timeout_s)
-        except (CommandTimeout, SessionError) as e:
+        except (CommandTimeout, SessionError, _ShellExited) as e:
             await self._kill()
             raise SessionError(
                 f"shell {self.name!r} did not answer within {cfg.start_timeout_s} s "
@@ -272,14 +272,17 @@ class PtySession:
         if not self.alive:
             raise SessionError(f"shell {self.name!r} is not running")
         self._token = secrets.token_hex(8)
-        self._waiter = self._loop.create_future()
+        waiter = self._waiter = self._loop.create_future()
         suffix = f"printf '\\036RLD{self._token}:%d\\036\\n' $?"
         self._write(f"{line}; {suffix}\n".encode())
+        # A bare timer on the future: asyncio.wait_for would wrap it in a task per command.
+        timer = self._loop.call_later(timeout, _expire, waiter)
         try:
-            return await asyncio.wait_for(self._waiter, timeout)
-        except TimeoutError:
+            return await waiter
+        except _Expired:
             raise CommandTimeout(f"no answer within {timeout} s") from None
         finally:
+            timer.cancel()
             self._waiter = None
 
     # --- commands ---------------------------------------------------------------------------
@@ -363,6 +366,15 @@ class PtySession:
         self._detach()
         self.restarts += 1
         await self.start()
+
+
+class _Expired(Exception):
+    pass
+
+
+def _expire(waiter: asyncio.Future[int]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())
 
 
 class _ShellExited(Exception):

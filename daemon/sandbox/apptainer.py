@@ -107,17 +107,24 @@ class ApptainerSandbox(Sandbox):
                 stdout=log_file,
                 stderr=log_file,
             )
+        pid_file = self.lease_dir / "instance.pid"
         try:
             await asyncio.wait_for(proc.wait(), self.backend.start_timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            await self.stop()
-            raise SandboxStartError(
-                f"apptainer instance start took over {self.backend.start_timeout_s} s "
-                f"(sandbox start_timeout_s) for image {self.image_path}"
-            ) from None
-        pid_file = self.lease_dir / "instance.pid"
+        except BaseException as e:
+            # Timed out or cancelled half-way: the instance may still come up after we leave,
+            # so stop the start command and whatever it already launched.
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await asyncio.shield(proc.wait())
+            text = pid_file.read_text().strip() if pid_file.exists() else ""
+            self.init_pid = int(text) if text.isdigit() else None
+            await asyncio.shield(self.stop())
+            if isinstance(e, TimeoutError):
+                raise SandboxStartError(
+                    f"apptainer instance start took over {self.backend.start_timeout_s} s "
+                    f"(sandbox start_timeout_s) for image {self.image_path}"
+                ) from None
+            raise
         pid_text = pid_file.read_text().strip() if pid_file.exists() else ""
         if proc.returncode != 0 or not pid_text.isdigit():
             output = start_log.read_text(errors="replace").strip()[-1500:]
@@ -171,7 +178,7 @@ class ApptainerSandbox(Sandbox):
                     await asyncio.sleep(0.01)
         self.stop_rung = rung
         self.backend.forget_instance(self.instance_name)
-        self.remove_folders()
+        await self.remove_folders()
 
 
 class ApptainerBackend(SandboxBackend):

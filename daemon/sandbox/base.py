@@ -14,6 +14,7 @@ created and destroyed.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import os
 import shutil
@@ -118,8 +119,9 @@ class Sandbox(abc.ABC):
         for d in (self.lease_dir, self.run_dir, self.workspace):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-    def remove_folders(self) -> None:
-        shutil.rmtree(self.lease_dir, ignore_errors=True)
+    async def remove_folders(self) -> None:
+        # Deleting many files can take milliseconds on some filesystems: keep it off the loop.
+        await asyncio.to_thread(shutil.rmtree, self.lease_dir, True)
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -190,6 +192,6 @@ def pids_in_sessions(session_ids: set[int]) -> list[int]:
         rest = stat[stat.rfind(b")") + 2 :].split()
         if rest[0] == b"Z":
             continue
-        if int(rest[4]) in session_ids:
+        if int(rest[3]) in session_ids:  # state, ppid, pgrp, session
             out.append(int(entry.name))
     return out

@@ -47,7 +47,7 @@ class LocalSandbox(Sandbox):
             except (ProcessLookupError, PermissionError):
                 pass
         self.stop_rung = "sigkill" if pids else "exited"
-        self.remove_folders()
+        await self.remove_folders()
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
         prefix = ["env"] + [f"{k}={v}" for k, v in (env or {}).items()]

@@ -185,15 +185,17 @@ class WarmPool:
 
     async def lease(self, spec: SandboxSpec) -> Lease:
         queue = self._ready.get(spec)
-        while queue:
-            lease = queue.popleft()
+        try:
+            while queue:
+                lease = queue.popleft()
+                if await self._healthy(lease):
+                    return self._hand_out(lease)
+                self._destroy_later(lease)
+            self.counters["cold_starts"] += 1
+            return self._hand_out(await self._start_one(spec))
+        finally:
+            # Replenish only after the lease is out: starting processes forks in this loop.
             self._wakeup.set()
-            if await self._healthy(lease):
-                return self._hand_out(lease)
-            self._destroy_later(lease)
-        self.counters["cold_starts"] += 1
-        lease = await self._start_one(spec)
-        return self._hand_out(lease)
 
     def _hand_out(self, lease: Lease) -> Lease:
         lease.leased_at = time.monotonic()

@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,13 @@ class KernelSession:
         interrupt_grace_s: float = 2.0,
         max_output_bytes: int = 64 * 1024,
         name: str = "kernel",
+        transport: str = "ipc",
     ) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        self.transport = transport
+        """``ipc`` always, except in the bench, which measures ``tcp`` (needs network=True) for
+        comparison."""
         self.sandbox = sandbox
         self.ready_timeout_s = ready_timeout_s
         self.interrupt_grace_s = interrupt_grace_s
@@ -84,15 +91,19 @@ class KernelSession:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
-    def _connection(self, ip_prefix: str, key: str) -> dict[str, Any]:
-        return {"transport": "ipc", "ip": ip_prefix, "key": key, "signature_scheme": "hmac-sha256",
-                "kernel_name": "", **_PORTS}
+    def _connection(self, ip: str, key: str, ports: dict[str, int]) -> dict[str, Any]:
+        return {"transport": self.transport, "ip": ip, "key": key, "signature_scheme": "hmac-sha256",
+                "kernel_name": "", **ports}
 
     async def start(self) -> None:
         sb = self.sandbox
         key = secrets.token_hex(16)
-        host_info = self._connection(str(sb.run_dir / "k"), key)
-        inside_info = self._connection(f"{sb.run_dir_inside}/k", key)
+        if self.transport == "ipc":
+            host_info = self._connection(str(sb.run_dir / "k"), key, _PORTS)
+            inside_info = self._connection(f"{sb.run_dir_inside}/k", key, _PORTS)
+        else:
+            ports = dict(zip(_PORTS, _free_tcp_ports(len(_PORTS))))
+            host_info = inside_info = self._connection("127.0.0.1", key, ports)
         conn_file = sb.run_dir / "kernel.json"
         conn_file.write_text(json.dumps(inside_info))
         conn_file.chmod(0o600)
@@ -310,3 +321,14 @@ class KernelSession:
 
 class _KernelGone(Exception):
     pass
+
+
+def _free_tcp_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,39 @@
+# Two commands for a newcomer:  `make demo` (the main job) and `make test` (the tests).
+# Both install what they need first: Python deps in .venv, Apptainer, the default sandbox image.
+
+PYTHON_BASE ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
+VENV        := .venv
+PY          := $(VENV)/bin/python
+export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
+
+.PHONY: setup deps apptainer image demo test bench clean
+
+setup: deps apptainer image
+
+# A venv on the system Python (not one under /root): the tests run sandboxes as an ordinary user too.
+$(VENV)/.installed: pyproject.toml
+	scripts/install-system-deps
+	$(PYTHON_BASE) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+deps: $(VENV)/.installed
+
+apptainer:
+	scripts/install-apptainer
+
+image: apptainer
+	scripts/build-image
+
+demo: setup
+	$(VENV)/bin/rolloutd demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) bench/command_latency.py --quick
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,174 @@
+"""Per-command latency of the shell paths an agent runtime can use, on the same warm instance.
+
+(a) our PTY session (sentinel framing, event loop), (b) the same bash under tmux driven with
+send-keys and capture-pane polling, as tmux-based agent runtimes do, (c) one
+``apptainer exec instance://...`` per command, (d) a bare host PTY in a tight blocking loop
+(the floor). Then IPython execute over ipc and over tcp, a lease from the warm pool, and a cold
+instance start. Every baseline is measured in this run: the ratios are what counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ptyprocess
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import check_targets, print_table, standard_args, summary_ms, time_calls, time_calls_async, write_json  # noqa: E402
+
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend  # noqa: E402
+from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
+from rolloutd.daemon.sandbox.pool import Lease, WarmPool, open_lease  # noqa: E402
+from rolloutd.daemon.sessions.ipython import KernelSession  # noqa: E402
+from rolloutd.native_io.pty_session import default_shell_argv  # noqa: E402
+
+COMMANDS = {"echo": "echo hi", "true": "/bin/true", "ls_wc": "ls /usr/bin | wc -l"}
+
+
+class TmuxShell:
+    """The tmux pattern: send-keys, then poll capture-pane until an end marker shows up."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.sock = f"rld-bench-{secrets.token_hex(4)}"
+        self.session = "bench"
+        self.n = 0
+        subprocess.run(["tmux", "-L", self.sock, "new-session", "-d", "-s", self.session, "-x", "250", "-y", "50",
+                        " ".join(argv)], check=True)
+        self.run("stty -echo; PS1=''")
+
+    def run(self, cmd: str) -> None:
+        self.n += 1
+        marker = f"__END_{self.n}__"
+        subprocess.run(["tmux", "-L", self.sock, "send-keys", "-t", self.session, f"clear; {cmd}; echo {marker}", "Enter"],
+                       check=True)
+        while True:
+            pane = subprocess.run(["tmux", "-L", self.sock, "capture-pane", "-p", "-t", self.session],
+                                  capture_output=True, text=True, check=True).stdout
+            if marker in pane:
+                return
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], check=False)
+
+
+class BareHostPty:
+    """The floor: host bash in a PTY, one write and blocking reads until the sentinel."""
+
+    def __init__(self) -> None:
+        self.proc = ptyprocess.PtyProcess.spawn(default_shell_argv(), env={**os.environ, "PS1": "", "PS2": ""}, echo=False)
+        os.write(self.proc.fd, b"stty -echo -onlcr; PS1=''\n")
+        self.run("true")
+
+    def run(self, cmd: str) -> None:
+        os.write(self.proc.fd, f"{cmd}; printf '\\036%d\\n' $?\n".encode())
+        buf = b""
+        while b"\x1e" not in buf:
+            buf += os.read(self.proc.fd, 65536)
+
+    def close(self) -> None:
+        self.proc.terminate(force=True)
+
+
+async def main() -> int:
+    args = standard_args(__doc__.splitlines()[0]).parse_args()
+    n = 100 if args.quick else 400
+    n_exec = 25 if args.quick else 300
+    results: dict[str, float] = {}
+    rows = []
+    state = Path(tempfile.mkdtemp(prefix="rld-b-"))
+    backend = ApptainerBackend(state)
+    spec = SandboxSpec(ipython=True, network=True)  # network: the tcp kernel baseline needs loopback
+    lease: Lease = await open_lease(backend.create(spec))
+    try:
+        # (a) our PTY session, (b) tmux, (c) exec per command, (d) floor
+        floor = BareHostPty()
+        tmux = TmuxShell(lease.sandbox.exec_argv(default_shell_argv(), cwd=lease.sandbox.workspace_inside))
+        exec_prefix = lease.sandbox.exec_argv(["bash", "-c"])
+        for name, cmd in COMMANDS.items():
+            pty = summary_ms(await time_calls_async(lambda: lease.run(cmd), n))
+            tm = summary_ms(time_calls(lambda: tmux.run(cmd), n if name == "echo" else n // 2, warmup=3))
+            ex = summary_ms(time_calls(lambda: subprocess.run([*exec_prefix, cmd], capture_output=True, check=True),
+                                       n_exec if name == "echo" else max(10, n_exec // 3), warmup=2))
+            fl = summary_ms(time_calls(lambda: floor.run(cmd), n))
+            for label, s in (("pty (ours)", pty), ("tmux send-keys/capture-pane", tm),
+                             ("apptainer exec per command", ex), ("bare host PTY (floor)", fl)):
+                rows.append([name, label, s["p50_ms"], s["p99_ms"], s["n"], s["p50_ms"] / pty["p50_ms"]])
+            if name == "echo":
+                results.update(pty_p50_ms=pty["p50_ms"], pty_p99_ms=pty["p99_ms"], tmux_p50_ms=tm["p50_ms"],
+                               exec_p50_ms=ex["p50_ms"], floor_p50_ms=fl["p50_ms"])
+            results[f"pty_{name}_p50_ms"] = pty["p50_ms"]
+            results[f"tmux_{name}_p50_ms"] = tm["p50_ms"]
+            results[f"exec_{name}_p50_ms"] = ex["p50_ms"]
+            results[f"floor_{name}_p50_ms"] = fl["p50_ms"]
+        tmux.close()
+        floor.close()
+        print_table("Shell command latency (same warm Apptainer instance)",
+                    ["command", "path", "p50 ms", "p99 ms", "n", "x ours"], rows)
+
+        # IPython over ipc (the lease's kernel) and over tcp (a second kernel in the same instance)
+        tcp_kernel = KernelSession(lease.sandbox, transport="tcp", name="bench-tcp")
+        await tcp_kernel.start()
+        assert lease.kernel is not None
+        k_ipc = summary_ms(await time_calls_async(lambda: lease.kernel.execute("x = 1"), n // 2, warmup=5))
+        k_tcp = summary_ms(await time_calls_async(lambda: tcp_kernel.execute("x = 1"), n // 2, warmup=5))
+        await tcp_kernel.close()
+        results.update(ipython_ipc_p50_ms=k_ipc["p50_ms"], ipython_tcp_p50_ms=k_tcp["p50_ms"])
+        print_table("IPython execute round trip (same instance)", ["transport", "p50 ms", "p99 ms", "n"],
+                    [["ipc (ours)", k_ipc["p50_ms"], k_ipc["p99_ms"], k_ipc["n"]],
+                     ["tcp 127.0.0.1", k_tcp["p50_ms"], k_tcp["p99_ms"], k_tcp["n"]]])
+    finally:
+        await lease.destroy()
+
+    # Lease from a warm pool vs cold start (instance + shell + probe)
+    lease_spec = SandboxSpec(ipython=False)
+    pool = WarmPool(backend, warm_specs={lease_spec: 2})
+    await pool.start()
+    lease_times, cold_times = [], []
+    try:
+        for _ in range(8 if args.quick else 30):
+            await pool.wait_ready(120)
+            t0 = time.perf_counter()
+            leased = await pool.lease(lease_spec)
+            lease_times.append(time.perf_counter() - t0)
+            await pool.release(leased)
+        for _ in range(3 if args.quick else 10):
+            t0 = time.perf_counter()
+            cold = await open_lease(backend.create(lease_spec))
+            cold_times.append(time.perf_counter() - t0)
+            await cold.destroy()
+    finally:
+        await pool.close()
+    ls, cs = summary_ms(lease_times), summary_ms(cold_times)
+    results.update(lease_p50_ms=ls["p50_ms"], cold_start_p50_ms=cs["p50_ms"])
+    print_table("Getting a sandbox", ["path", "p50 ms", "p99 ms", "n"],
+                [["lease from warm pool", ls["p50_ms"], ls["p99_ms"], ls["n"]],
+                 ["cold instance start + shell", cs["p50_ms"], cs["p99_ms"], cs["n"]]])
+    shutil.rmtree(state, ignore_errors=True)
+
+    write_json(args.json, results)
+    ok = check_targets([
+        (f"pty_p50_ms {results['pty_p50_ms']:.3f} <= 0.5", results["pty_p50_ms"] <= 0.5),
+        (f"pty within 3x floor ({results['pty_p50_ms'] / results['floor_p50_ms']:.2f}x)",
+         results["pty_p50_ms"] <= 3 * results["floor_p50_ms"]),
+        (f"tmux/pty {results['tmux_p50_ms'] / results['pty_p50_ms']:.1f}x >= 10x",
+         results["tmux_p50_ms"] >= 10 * results["pty_p50_ms"]),
+        (f"exec/pty {results['exec_p50_ms'] / results['pty_p50_ms']:.1f}x >= 40x",
+         results["exec_p50_ms"] >= 40 * results["pty_p50_ms"]),
+        (f"lease_p50_ms {results['lease_p50_ms']:.2f} <= 5", results["lease_p50_ms"] <= 5),
+        (f"ipc {results['ipython_ipc_p50_ms']:.2f} ms <= tcp {results['ipython_tcp_p50_ms']:.2f} ms",
+         results["ipython_ipc_p50_ms"] <= results["ipython_tcp_p50_ms"]),
+    ])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(uvloop.run(main()))

@@ -1,0 +1,91 @@
+"""Helpers shared by the benches: percentiles, tables with units, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    data = sorted(samples)
+    if not data:
+        return float("nan")
+    k = min(len(data) - 1, max(0, int(round(q / 100 * (len(data) - 1)))))
+    return data[k]
+
+
+def summary_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50_ms": percentile(samples_s, 50) * 1e3,
+        "p99_ms": percentile(samples_s, 99) * 1e3,
+        "mean_ms": statistics.fmean(samples_s) * 1e3 if samples_s else float("nan"),
+        "n": len(samples_s),
+    }
+
+
+def time_calls(fn: Callable[[], Any], n: int, warmup: int = 10) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def time_calls_async(fn: Callable[[], Any], n: int, warmup: int = 10) -> list[float]:
+    for _ in range(warmup):
+        await fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    sys.stdout.flush()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def standard_args(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="fewer samples; finishes in under 40 s")
+    p.add_argument("--json", type=Path, help="write the flat results object to this file")
+    return p
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def check_targets(targets: Sequence[tuple[str, bool]]) -> bool:
+    print("\nTargets")
+    ok = True
+    for name, passed in targets:
+        print(f"  [{'PASS' if passed else 'FAIL'}] {name}")
+        ok &= passed
+    return ok

@@ -1,0 +1,100 @@
+"""Warm pool: ready leases, fresh sandbox per lease, limits watchdog, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
+from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.native_io.errors import SandboxLost
+
+
+async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:
+    spec = SandboxSpec(ipython=True)
+    pool = WarmPool(backend, warm_specs={spec: 2})
+    await pool.start()
+    try:
+        await pool.wait_ready(120)
+        first = await pool.lease(spec)
+        await first.run("echo from-first > leftover.txt")
+        await first.ipython("leftover = 1")
+        await pool.release(first)
+        second = await pool.lease(spec)
+        assert second.id != first.id
+        r = await second.run("ls")
+        assert "leftover.txt" not in r.output
+        assert (await second.ipython("'leftover' in dir()")).result == "False"
+        assert pool.counters["cold_starts"] == 0
+        await pool.release(second)
+    finally:
+        await pool.close()
+    assert pool.stats()["ready"] == 0 and pool.stats()["leased"] == 0
+
+
+async def test_unknown_spec_starts_cold(backend: SandboxBackend) -> None:
+    pool = WarmPool(backend, warm_specs={})
+    await pool.start()
+    try:
+        lease = await pool.lease(SandboxSpec(ipython=False))
+        assert pool.counters["cold_starts"] == 1
+        assert (await lease.run("echo cold")).output == "cold\n"
+    finally:
+        await pool.close()
+
+
+async def test_dead_ready_lease_is_replaced(backend: SandboxBackend) -> None:
+    spec = SandboxSpec(ipython=False)
+    pool = WarmPool(backend, warm_specs={spec: 1})
+    await pool.start()
+    try:
+        await pool.wait_ready(60)
+        broken = pool._ready[spec][0]
+        assert broken.shell.pid is not None
+        os.killpg(broken.shell.pid, 9)
+        await asyncio.sleep(0.2)
+        lease = await pool.lease(spec)
+        assert lease.id != broken.id
+        assert (await lease.run("echo ok")).output == "ok\n"
+    finally:
+        await pool.close()
+
+
+async def test_max_age_recycles_idle_sandboxes(backend: SandboxBackend) -> None:
+    spec = SandboxSpec(ipython=False)
+    pool = WarmPool(backend, warm_specs={spec: 1}, max_age_s=0.5)
+    await pool.start()
+    try:
+        await pool.wait_ready(60)
+        old = pool._ready[spec][0]
+        await asyncio.sleep(0.7)
+        lease = await pool.lease(spec)
+        assert lease.id != old.id and pool.counters["recycled_old"] >= 1
+    finally:
+        await pool.close()
+
+
+async def test_fork_bomb_is_contained(backend: SandboxBackend) -> None:
+    spec = SandboxSpec(ipython=False, limits=SandboxLimits(max_processes=40))
+    pool = WarmPool(backend, warm_specs={}, watchdog_interval_s=0.2)
+    await pool.start()
+    try:
+        victim = await pool.lease(spec)
+        bystander = await pool.lease(spec)
+        # A bounded bomb: 200 long sleepers, far over the limit of 40.
+        with pytest.raises((SandboxLost, Exception)):
+            await victim.run("for i in $(seq 200); do sleep 60 & done; wait", timeout_s=20)
+        for _ in range(50):
+            if victim.lost_reason:
+                break
+            await asyncio.sleep(0.1)
+        assert victim.lost_reason and "max_processes" in victim.lost_reason
+        with pytest.raises(SandboxLost):
+            await victim.run("echo hi")
+        assert victim.sandbox.process_ids() == []
+        assert (await bystander.run("echo unaffected")).output == "unaffected\n"
+        assert pool.counters["watchdog_kills"] == 1
+    finally:
+        await pool.close()

@@ -1,0 +1,106 @@
+"""Apptainer sandboxes for real: lifecycle, isolation, limits, teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
+from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
+from rolloutd.daemon.sandbox.pool import open_lease
+
+pytestmark = pytest.mark.apptainer
+
+
+def _instance_list(backend: ApptainerBackend) -> str:
+    env = {**os.environ, "APPTAINER_CONFIGDIR": str(backend.config_dir)}
+    return subprocess.run(["apptainer", "instance", "list"], env=env, capture_output=True, text=True, check=True).stdout
+
+
+async def test_lifecycle_and_clean_stop(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    sb = backend.create(SandboxSpec(ipython=False))
+    await sb.start()
+    assert sb.instance_name in _instance_list(backend)
+    assert sb.init_pid is not None and os.path.exists(f"/proc/{sb.init_pid}")
+    await sb.stop()
+    assert sb.stop_rung in ("sigterm", "sigkill")
+    assert sb.instance_name not in _instance_list(backend)
+    assert backend.leftover_instances() == []
+    assert not list((backend.config_dir / "instances" / "logs").rglob(f"{sb.instance_name}*"))
+    assert not sb.lease_dir.exists()
+
+
+async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
+    await lease.run("sleep 300 & (setsid sleep 301 &) ; nohup sleep 302 >/dev/null 2>&1 &")
+    pids = lease.sandbox.process_ids()
+    assert len(pids) >= 5  # init, shell, kernel, three sleeps
+    await lease.destroy()
+    alive = [p for p in pids if Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()]
+    assert alive == []
+
+
+async def test_leases_cannot_see_each_other(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    a = await open_lease(backend.create(SandboxSpec(ipython=False)))
+    b = await open_lease(backend.create(SandboxSpec(ipython=False)))
+    try:
+        await a.run("echo secret > /workspace/a.txt && echo tmp > /tmp/a.tmp && echo root > /a.root")
+        r = await b.run("ls /workspace /tmp; cat /a.root 2>&1; ps -e | wc -l")
+        assert "a.txt" not in r.output and "a.tmp" not in r.output and "No such file" in r.output
+        assert (a.sandbox.workspace / "a.txt").read_text() == "secret\n"
+    finally:
+        await a.destroy()
+        await b.destroy()
+
+
+async def test_host_is_not_visible_or_writable(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    marker = short_tmp / "host-marker"
+    marker.write_text("host")
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
+    try:
+        r = await lease.run(f"cat {marker}; echo x > {short_tmp}/escape; ls -A /root /home")
+        assert "host" not in r.output.splitlines() and "No such file" in r.output
+        assert not (short_tmp / "escape").exists()
+        # The host home (with its dotfiles) is not mounted: --containall gives an empty one.
+        assert ".bashrc" not in r.output and ".cache" not in r.output
+    finally:
+        await lease.destroy()
+
+
+async def test_network_none_has_only_loopback(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, network=False)))
+    try:
+        r = await lease.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+        assert r.output.split() == ["lo"]
+    finally:
+        await lease.destroy()
+
+
+@pytest.mark.parametrize("writable", ["tmpfs", "overlay"])
+async def test_writable_layer(short_tmp: Path, writable: str) -> None:
+    backend = ApptainerBackend(short_tmp)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, writable=writable)))  # type: ignore[arg-type]
+    try:
+        r = await lease.run("mkdir -p ~/w && echo ok > ~/w/f && cat ~/w/f && echo data > /tmp/x && cat /tmp/x")
+        assert r.output == "ok\ndata\n"
+    finally:
+        await lease.destroy()
+
+
+async def test_memory_hog_fails_alone(short_tmp: Path) -> None:
+    backend = ApptainerBackend(short_tmp)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(max_memory_mb=256))))
+    try:
+        r = await lease.run("python3 -c 'x = bytearray(1 << 30)' 2>&1 | tail -1")
+        assert "MemoryError" in r.output
+        assert (await lease.run("echo still-here")).output == "still-here\n"
+    finally:
+        await lease.destroy()

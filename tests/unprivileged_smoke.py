@@ -1,0 +1,47 @@
+"""Run by tests/test_unprivileged.py as an ordinary user: one real sandbox, end to end.
+
+Prints one JSON object with what it saw; the test makes the assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
+from rolloutd.daemon.sandbox.base import SandboxSpec
+from rolloutd.daemon.sandbox.pool import WarmPool
+
+
+async def main() -> dict[str, object]:
+    state = Path(tempfile.mkdtemp(prefix="rld-u-"))
+    backend = ApptainerBackend(state)
+    spec = SandboxSpec(ipython=True)
+    pool = WarmPool(backend, warm_specs={spec: 1})
+    await pool.start()
+    await pool.wait_ready(120)
+    lease = await pool.lease(spec)
+    shell = await lease.run("id -u; touch /usr/forbidden 2>&1; echo ws > /workspace/f && cat /workspace/f")
+    kernel = await lease.ipython("import os\nos.getuid()")
+    pids = lease.sandbox.process_ids()
+    await pool.release(lease)
+    await pool.close()
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()]
+    out = {
+        "host_uid": os.getuid(),
+        "shell_output": shell.output,
+        "kernel_uid": kernel.result,
+        "leftover_instances": backend.leftover_instances(),
+        "alive_after_close": alive,
+        "state_dir_mode": oct(state.stat().st_mode & 0o777),
+    }
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main())))
+    sys.exit(0)
