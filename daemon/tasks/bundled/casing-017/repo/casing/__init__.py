@@ -1,0 +1,3 @@
+from casing.convert import to_camel, to_kebab, to_snake, words
+
+__all__ = ["to_camel", "to_kebab", "to_snake", "words"]

@@ -1,0 +1,3 @@
+from cliargs.parser import ArgParser, Parsed, UsageError
+
+__all__ = ["ArgParser", "Parsed", "UsageError"]

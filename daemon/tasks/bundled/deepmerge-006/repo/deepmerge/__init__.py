@@ -1,0 +1,3 @@
+from deepmerge.layers import DELETE, merge
+
+__all__ = ["DELETE", "merge"]

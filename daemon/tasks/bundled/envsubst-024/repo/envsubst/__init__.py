@@ -1,0 +1,3 @@
+from envsubst.template import UndefinedVariable, expand
+
+__all__ = ["UndefinedVariable", "expand"]

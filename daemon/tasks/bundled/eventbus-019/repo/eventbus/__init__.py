@@ -1,0 +1,3 @@
+from eventbus.bus import EventBus
+
+__all__ = ["EventBus"]

@@ -1,0 +1,3 @@
+from inifile.reader import IniError, get_int, parse_ini
+
+__all__ = ["IniError", "get_int", "parse_ini"]

@@ -1,0 +1,3 @@
+from timeslots.intervals import covered, free_slots, merge
+
+__all__ = ["covered", "free_slots", "merge"]

@@ -1,0 +1,3 @@
+from memo.cache import CacheInfo, memoize
+
+__all__ = ["CacheInfo", "memoize"]

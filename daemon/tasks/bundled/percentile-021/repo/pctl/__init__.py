@@ -1,0 +1,3 @@
+from pctl.stats import percentile, summary
+
+__all__ = ["percentile", "summary"]

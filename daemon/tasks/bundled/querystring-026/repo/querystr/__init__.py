@@ -1,0 +1,3 @@
+from querystr.query import build_query, parse_query
+
+__all__ = ["build_query", "parse_query"]

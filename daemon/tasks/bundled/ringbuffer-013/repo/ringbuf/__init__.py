@@ -1,0 +1,3 @@
+from ringbuf.buffer import RingBuffer
+
+__all__ = ["RingBuffer"]

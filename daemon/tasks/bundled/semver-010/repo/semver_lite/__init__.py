@@ -1,0 +1,3 @@
+from semver_lite.version import InvalidVersion, Version, latest
+
+__all__ = ["InvalidVersion", "Version", "latest"]

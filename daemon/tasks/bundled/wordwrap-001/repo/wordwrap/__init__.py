@@ -1,0 +1,3 @@
+from wordwrap.core import fill, wrap
+
+__all__ = ["fill", "wrap"]
