@@ -9,6 +9,7 @@ import), so the real-class test skips there.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -101,6 +102,14 @@ def test_options() -> None:
     check_like_skyrl_trainer(out, len(trajs))
     single = to_skyrl_generator_output(trajs[0], use_trainer_class=False)
     assert single["response_ids"] == [trajs[0].response_ids.tolist()]
+
+
+def test_without_skyrl_the_default_is_plain_records() -> None:
+    if importlib.util.find_spec("skyrl") is not None:
+        pytest.skip("SkyRL is installed here")
+    out = to_skyrl_generator_output(trajectories())
+    assert set(out) == GENERATOR_OUTPUT_KEYS_A956457 - VISION_KEYS
+    assert all(isinstance(t, SkyRLTrajectoryID) for t in out["trajectory_ids"])
 
 
 def test_real_generator_output_keys() -> None:

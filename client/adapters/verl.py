@@ -28,7 +28,6 @@ from rolloutd.client.adapters.batching import collate
 from rolloutd.client.adapters.common import (
     TensorType,
     as_trajectory_list,
-    mask_runs,
     masked_logprobs,
     stage_times,
     tensors,
@@ -90,7 +89,9 @@ def verl_num_turns(trajectory: Trajectory) -> int:
     (``verl/experimental/agent_loop/{single_turn,tool}_agent_loop.py``); each mask run of the
     response is one assistant or one observation message, and the prompt is one more.
     """
-    return 1 + len(mask_runs(trajectory.response_mask))
+    mask = np.asarray(trajectory.response_mask)
+    runs = int(np.count_nonzero(np.diff(mask))) + 1 if mask.size else 0
+    return 1 + runs
 
 
 def verl_metrics(trajectory: Trajectory) -> VerlAgentLoopMetrics:
