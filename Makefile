@@ -15,7 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	scripts/install-system-deps
 	$(PYTHON_BASE) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	# torch 2.13.0: the CPU wheel this machine kind keeps on disk (a bare `torch` pulls CUDA builds).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,adapters-test]'
+	# The real trainer classes the adapter tests check against, without their GPU-only dependencies.
+	$(PY) -m pip install -q --no-deps -r tests/requirements-trainers.txt
 	touch $@
 
 deps: $(VENV)/.installed
