@@ -7,8 +7,12 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rolloutd.native_io.errors import RolloutdError
+
+if TYPE_CHECKING:
+    from .config import NodeConfig
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -24,10 +28,74 @@ def _cmd_image_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_config(args: argparse.Namespace) -> "NodeConfig":
+    from .config import NodeConfig, load_config
+
+    if getattr(args, "config_from_env", False):
+        import os
+
+        return NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
+    overrides = {
+        "run_dir": args.run_dir, "workers": args.workers, "backend": args.backend, "image": args.image,
+        "warm_sandboxes_per_worker": args.warm, "router": args.router, "tcp_bind": args.tcp_bind,
+        "inference_servers": args.inference_server, "log_level": args.log_level,
+    }
+    return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    from . import node
+
+    config = _node_config(args)
+    pidfile = node.pidfile_path(config, args.pidfile)
+    if args.node_command == "start":
+        if args.detach:
+            return node.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
+        logging.getLogger().setLevel(config.log_level)
+        return node.run_foreground(config, pidfile)
+    if args.node_command == "stop":
+        return node.stop(config, pidfile, args.timeout_s)
+    return node.status(config, args.json)
+
+
+def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from pathlib import Path
+
+    node_p = sub.add_parser("node", help="the per-node daemon: start, stop, status")
+    node_sub = node_p.add_subparsers(dest="node_command", required=True)
+    for name in ("start", "stop", "status"):
+        p = node_sub.add_parser(name)
+        p.add_argument("--config", help="TOML file (also $ROLLOUTD_CONFIG)")
+        p.add_argument("--run-dir", help="run folder (default $XDG_RUNTIME_DIR/rolloutd or /tmp/rolloutd-$UID)")
+        p.add_argument("--pidfile", help="default <run folder>/node.pid")
+        p.set_defaults(func=_cmd_node, workers=None, backend=None, image=None, warm=None, router=None,
+                       tcp_bind=None, inference_server=None, log_level=None)
+        if name == "start":
+            p.add_argument("--detach", action="store_true",
+                           help="run in the background (new session, output to the log file); return once it answers")
+            p.add_argument("--log-file", type=Path, help="with --detach; default <run folder>/node.log")
+            p.add_argument("--ready-timeout-s", type=float, default=300.0)
+            p.add_argument("--workers", type=int, help="worker processes (default: one per core)")
+            p.add_argument("--backend", choices=["auto", "apptainer", "local"])
+            p.add_argument("--image", help="image of the warm sandboxes")
+            p.add_argument("--warm", type=int, help="warm sandboxes per worker")
+            p.add_argument("--router", help="join this router as a rollout node")
+            p.add_argument("--tcp-bind", help="also listen on tcp://HOST:PORT (CURVE keys required)")
+            p.add_argument("--inference-server", action="append", help="inference server URL (repeatable)")
+            p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+            p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
+        elif name == "stop":
+            p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")
+        else:
+            p.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolloutd", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_node_parser(sub)
 
     demo = sub.add_parser("demo", help="the main job: a demo batch on the bundled tasks")
     demo.add_argument("--backend", choices=["auto", "apptainer", "local"], default="auto")

@@ -8,25 +8,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from .sandbox.apptainer import ApptainerBackend, apptainer_available
-from .sandbox.base import SandboxBackend, SandboxSpec
-from .sandbox.local import LocalBackend
+from .sandbox.base import SandboxSpec
 from .sandbox.pool import WarmPool
+from .sandbox.select import make_backend
 
 log = logging.getLogger(__name__)
 
 
-def pick_backend(name: str, state_dir: Path) -> SandboxBackend:
-    if name == "apptainer" or (name == "auto" and apptainer_available()):
-        return ApptainerBackend(state_dir)
-    if name == "auto":
-        log.warning("apptainer is not installed: falling back to the 'local' backend, which isolates nothing")
-    return LocalBackend(state_dir)
-
-
 async def run_demo(args: argparse.Namespace) -> int:
     state = Path(tempfile.mkdtemp(prefix="rld-demo-"))
-    backend = pick_backend(args.backend, state)
+    backend = make_backend(args.backend, state)
     spec = SandboxSpec(ipython=True)
     pool = WarmPool(backend, warm_specs={spec: 2})
     t0 = time.perf_counter()

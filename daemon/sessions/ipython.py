@@ -20,13 +20,13 @@ import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
 from typing import Any
 
 from jupyter_client.asynchronous import AsyncKernelClient
 
+from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 from rolloutd.native_io.output import OutputCollector
 
@@ -36,22 +36,6 @@ log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
-
-
-@dataclass(frozen=True)
-class ExecuteResult:
-    status: str
-    """``ok`` or ``error``."""
-    stdout: str
-    stderr: str
-    result: str | None
-    """``text/plain`` of the cell's value (``Out[n]``), if any."""
-    error: dict[str, Any] | None = None
-    """``{"ename", "evalue", "traceback"}`` (traceback without colour codes) when status is error."""
-    truncated: bool = False
-    duration_s: float = 0.0
-    displays: list[str] = field(default_factory=list)
-    kernel_restarted: bool = False
 
 
 class KernelSession:

@@ -1,0 +1,88 @@
+"""The blocking client: a thin layer that runs the asyncio client on a private event loop.
+
+The loop runs in the caller's thread, only during a call, so a call costs no thread hand-off.
+One ``RolloutClient`` per thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from rolloutd.native_io.pty_session import CommandResult
+
+from .async_client import AsyncRolloutClient, AsyncSandbox, Reply
+from .wire import ExecuteResult
+
+T = TypeVar("T")
+
+
+class RolloutClient:
+    def __init__(self, address: str | None = None, **kwargs: Any) -> None:
+        self._loop = _new_loop()
+        self._async = AsyncRolloutClient(address, **kwargs)
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self._async.address
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._async.close())
+            self._loop.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> Reply:
+        return self._run(self._async.request(op, args, **kwargs))
+
+    def release(self, reply: Reply) -> None:
+        self._run(self._async.release(reply))
+
+    def status(self, **kwargs: Any) -> dict[str, Any]:
+        return self._run(self._async.status(**kwargs))
+
+    def open_sandbox(self, **kwargs: Any) -> "Sandbox":
+        return Sandbox(self, self._run(self._async.open_sandbox(**kwargs)))
+
+
+class Sandbox:
+    def __init__(self, client: RolloutClient, inner: AsyncSandbox) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+        self.info = inner.info
+
+    def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
+        return self._client._run(self._inner.run(command, timeout_s=timeout_s))
+
+    def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
+        return self._client._run(self._inner.ipython(code, timeout_s=timeout_s))
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    import uvloop
+
+    return uvloop.new_event_loop()

@@ -1,0 +1,210 @@
+"""Every message between trainers, the node daemon, its workers and the router.
+
+Frames: ``[type][msgpack header][array frames...]`` (see ``rolloutd.native_io.framing``).
+A REQUEST header is ``{"v", "id", "op", "args", "arrays"}``; ``args`` must match the op's
+dataclass below exactly (unknown fields and wrong types are refused). The daemon answers every
+accepted id exactly once, with REPLY ``{"v", "id", "result", "refs"}`` or ERROR
+``{"v", "id", "code", "message", "details"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Literal
+
+from rolloutd.native_io.errors import BadRequest
+
+
+class MsgType(IntEnum):
+    REQUEST = 1
+    """client -> daemon: run ``op`` with ``args``."""
+    REPLY = 2
+    """daemon -> client: the final success answer to ``id``."""
+    ERROR = 3
+    """daemon -> client: the final failure answer to ``id``."""
+    CANCEL = 4
+    """client -> daemon: cancel ``id`` (its final answer then says CANCELLED)."""
+    RELEASE = 5
+    """client -> daemon: ``segments`` are no longer needed (no answer)."""
+    STARTED = 16
+    """worker -> supervisor: execution of ``id`` began (it will not be re-dispatched)."""
+    HELLO = 17
+    """worker -> supervisor: ready, with ``index`` and ``pid``."""
+    STATS = 18
+    """worker -> supervisor: periodic ``stats`` (pool, queues, memory)."""
+    NODE = 32
+    """node <-> router: membership (register, heartbeat, drain); see the router module."""
+
+
+CLIENT_TYPES = frozenset({MsgType.REQUEST, MsgType.CANCEL, MsgType.RELEASE})
+WORKER_TYPES = frozenset({MsgType.REPLY, MsgType.ERROR, MsgType.STARTED, MsgType.HELLO, MsgType.STATS})
+FINAL_TYPES = frozenset({MsgType.REPLY, MsgType.ERROR})
+
+
+# --- request arguments, one dataclass per op ---------------------------------------------
+
+
+@dataclass
+class StatusArgs:
+    pass
+
+
+@dataclass
+class SandboxOpenArgs:
+    image: str = "default"
+    """``default``, a SIF path, a sandbox folder or ``docker://...`` (converted once)."""
+    network: bool = False
+    ipython: bool = True
+    writable: Literal["tmpfs", "overlay"] = "tmpfs"
+    timeout_s: float = 300.0
+    """How long to wait for a sandbox when none is warm."""
+
+
+@dataclass
+class SandboxRunArgs:
+    sandbox_id: str
+    command: str
+    timeout_s: float | None = None
+    """Wall-time limit of the command; None uses the sandbox's default."""
+
+
+@dataclass
+class SandboxIPythonArgs:
+    sandbox_id: str
+    code: str
+    timeout_s: float | None = None
+
+
+@dataclass
+class SandboxCloseArgs:
+    sandbox_id: str
+
+
+@dataclass
+class MakeArraysArgs:
+    """Synthetic token arrays of a given size (benches and tests of the array transports)."""
+
+    n_tokens: int
+    n_trajectories: int = 1
+
+
+OPS: dict[str, type] = {
+    "status": StatusArgs,
+    "sandbox.open": SandboxOpenArgs,
+    "sandbox.run": SandboxRunArgs,
+    "sandbox.ipython": SandboxIPythonArgs,
+    "sandbox.close": SandboxCloseArgs,
+    "debug.make_arrays": MakeArraysArgs,
+}
+"""Ops a node answers. The rollout pipeline registers its own (see ``register_op``)."""
+
+PINNED_OPS = frozenset({"sandbox.run", "sandbox.ipython", "sandbox.close"})
+"""Ops that must go to the worker that owns ``args["sandbox_id"]``."""
+
+
+def register_op(name: str, args_type: type) -> None:
+    OPS[name] = args_type
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    """What one IPython cell produced."""
+
+    status: str
+    """``ok`` or ``error``."""
+    stdout: str
+    stderr: str
+    result: str | None
+    """``text/plain`` of the cell's value (``Out[n]``), if any."""
+    error: dict[str, Any] | None = None
+    """``{"ename", "evalue", "traceback"}`` (traceback without colour codes) when status is error."""
+    truncated: bool = False
+    duration_s: float = 0.0
+    displays: list[str] = field(default_factory=list)
+    kernel_restarted: bool = False
+
+
+# --- schema checking ---------------------------------------------------------------------------
+
+
+def parse_args(op: Any, args: Any) -> Any:
+    """The op's args dataclass built from ``args``, or BadRequest naming what is wrong."""
+    if not isinstance(op, str) or op not in OPS:
+        raise BadRequest(f"unknown op {op!r}; this daemon knows {sorted(OPS)}")
+    return from_fields(OPS[op], args if args is not None else {}, where=f"{op} args")
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], frozenset[str], tuple[str, ...]]:
+    """(type hints, field names, required names) of a dataclass, computed once per class."""
+    fields = dataclasses.fields(cls)
+    required = tuple(f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return typing.get_type_hints(cls), frozenset(f.name for f in fields), required
+
+
+def from_fields(cls: type, data: Any, *, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise BadRequest(f"{where} must be a map, got {type(data).__name__}")
+    hints, names, required = _schema(cls)
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise BadRequest(f"{where}: unknown field(s) {unknown}; allowed: {sorted(names)}")
+    for name in required:
+        if name not in data:
+            raise BadRequest(f"{where}: missing required field {name!r}")
+    return cls(**{name: _check(hints[name], value, f"{where}.{name}") for name, value in data.items()})
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _check(option, value, where)
+            except BadRequest:
+                continue
+        raise BadRequest(f"{where}: {value!r} is not a valid {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise BadRequest(f"{where}: expected null")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise BadRequest(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise BadRequest(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise BadRequest(f"{where}: expected a map, got {type(value).__name__}")
+        k_tp, v_tp = typing.get_args(tp)
+        return {_check(k_tp, k, where): _check(v_tp, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_fields(tp, value, where=where)  # type: ignore[arg-type]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise BadRequest(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r:.60}")
+
+
+def to_fields(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)

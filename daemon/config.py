@@ -1,0 +1,168 @@
+"""Node daemon configuration: defaults < TOML file < ``ROLLOUTD_*`` variables < command-line flags.
+
+Every field names its unit; unknown keys and wrong types are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rolloutd.native_io.errors import BadRequest, ConfigError
+
+SOCKET_PATH_MAX = 100
+"""sun_path holds 108 bytes on Linux; keep a margin for suffixes."""
+
+
+def default_run_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/rolloutd`` when that exists and is ours, else ``/tmp/rolloutd-$UID``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
+        return Path(xdg) / "rolloutd"
+    return Path(f"/tmp/rolloutd-{os.getuid()}")
+
+
+@dataclass
+class NodeConfig:
+    run_dir: str = ""
+    """Folder (mode 0700) for the sockets, pidfile, worker state and sandboxes; empty = default."""
+    workers: int = 0
+    """Worker processes; 0 = one per core."""
+    backend: Literal["auto", "apptainer", "local"] = "auto"
+    """Sandbox backend; ``auto`` = apptainer when installed, else local (which isolates nothing)."""
+    image: str = "default"
+    """Image of the warm sandboxes."""
+    warm_sandboxes_per_worker: int = 2
+    """Ready sandboxes each worker keeps for ``image``."""
+    warm_ipython: bool = True
+    """Warm sandboxes start their IPython kernel too."""
+    sandbox_max_age_s: float = 3600.0
+    """An idle warm sandbox older than this is replaced."""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """Largest message accepted, all frames together (bytes)."""
+    shm_lease_timeout_s: float = 30.0
+    """Shared-memory results of a client whose process is gone are unlinked after this."""
+    completed_ttl_s: float = 600.0
+    """How long a finished request id is remembered: a repeat gets the same answer, not a rerun."""
+    worker_restart_delay_s: float = 0.5
+    """Pause before restarting a dead worker (doubles, up to 30 s, while it keeps dying)."""
+    shutdown_timeout_s: float = 15.0
+    """Graceful stop budget before processes are killed."""
+    tcp_bind: str = ""
+    """Also listen on this ``tcp://host:port`` (CURVE only: needs the two key settings)."""
+    curve_secret_key_file: str = ""
+    """This node's CURVE secret key file (``rolloutd keygen``)."""
+    curve_allowed_keys_dir: str = ""
+    """Folder of public key files allowed to connect over TCP."""
+    router: str = ""
+    """Join this router (``tcp://host:port`` or ``ipc://path``) as a rollout node."""
+    node_name: str = ""
+    """Name at the router; empty = hostname and run folder."""
+    inference_servers: list[str] = field(default_factory=list)
+    """Inference servers, e.g. ``http://127.0.0.1:8000`` (protocol detected) or ``sglang+http://...``."""
+    inference_api_key: str = ""
+    """Bearer token sent to inference servers."""
+    tokenizer: str = ""
+    """Hugging Face tokenizer folder; empty = the reference policy's bundled tokenizer."""
+    init_concurrency: int = 16
+    """Rollouts in the init stage at once (per node)."""
+    run_concurrency: int = 256
+    """Rollouts in the run (agent) stage at once (per node)."""
+    eval_concurrency: int = 32
+    """Rollouts in the eval stage at once (per node)."""
+    queue_limit: int = 4096
+    """Rollout samples waiting for a stage slot before new submissions get BUSY."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        for name in ("warm_sandboxes_per_worker", "init_concurrency", "run_concurrency", "eval_concurrency",
+                     "queue_limit", "max_message_bytes"):
+            if getattr(self, name) < (0 if name == "warm_sandboxes_per_worker" else 1):
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tcp_bind and not (self.curve_secret_key_file and self.curve_allowed_keys_dir):
+            raise ConfigError(
+                "tcp_bind needs curve_secret_key_file and curve_allowed_keys_dir: rolloutd never listens "
+                "on TCP without authentication (create keys with `rolloutd keygen`)"
+            )
+        if len(str(self.socket_path)) > SOCKET_PATH_MAX:
+            raise ConfigError(
+                f"socket path {self.socket_path} is longer than {SOCKET_PATH_MAX} bytes (Unix socket limit); "
+                "choose a shorter run_dir"
+            )
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else default_run_dir()
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_path / "node.sock"
+
+    @property
+    def address(self) -> str:
+        return f"ipc://{self.socket_path}"
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or (os.cpu_count() or 1)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "NodeConfig":
+        return cls(**json.loads(text))
+
+
+def _coerce_env(tp: Any, raw: str, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if tp is int:
+            return int(raw)
+        if tp is float:
+            return float(raw)
+        if origin is list:
+            return [x for x in raw.split(",") if x]
+        return raw
+    except ValueError as e:
+        raise ConfigError(f"{name}={raw!r} is not a valid {getattr(tp, '__name__', tp)}") from e
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> NodeConfig:
+    """Defaults, then the TOML file (``path`` or ``$ROLLOUTD_CONFIG``), then env, then ``overrides``."""
+    from rolloutd.client.wire import from_fields
+
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = path or env.get("ROLLOUTD_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                values.update(tomllib.load(f))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+    hints = typing.get_type_hints(NodeConfig)
+    for f in dataclasses.fields(NodeConfig):
+        key = f"ROLLOUTD_{f.name.upper()}"
+        if key in env:
+            values[f.name] = _coerce_env(hints[f.name], env[key], key)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return from_fields(NodeConfig, values, where="node config")
+    except BadRequest as e:
+        raise ConfigError(str(e)) from e

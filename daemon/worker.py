@@ -1,0 +1,231 @@
+"""A worker process: owns a warm pool of sandboxes and executes the requests the supervisor sends.
+
+One uvloop per worker. Each request runs in its own task; a CANCEL cancels that task. Results
+with arrays are written once into a shared-memory segment (or sent as raw frames when the
+client is not on this node); only their descriptors travel through the supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import uvloop
+import zmq
+
+from rolloutd.client.wire import (
+    MakeArraysArgs,
+    PINNED_OPS,
+    MsgType,
+    SandboxCloseArgs,
+    SandboxIPythonArgs,
+    SandboxOpenArgs,
+    SandboxRunArgs,
+    parse_args,
+    to_fields,
+)
+from rolloutd.native_io import framing, shm
+from rolloutd.native_io.errors import Cancelled, RolloutdError
+from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_sockets import make_socket
+
+from .config import NodeConfig
+from .sandbox.base import SandboxBackend, SandboxSpec
+from .sandbox.pool import WarmPool
+from .sandbox.select import make_backend
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, dict[str, Any]], Awaitable[tuple[dict[str, Any], dict[str, np.ndarray]]]]
+
+
+class Worker:
+    def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, endpoint: str) -> None:
+        self.config = config
+        self.index = index
+        self.generation = generation
+        self.state_dir = state_dir
+        self.endpoint = endpoint
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock: LoopSocket | None = None
+        self.backend: SandboxBackend = make_backend(config.backend, state_dir)
+        self.default_spec = SandboxSpec(image=config.image, ipython=config.warm_ipython)
+        self.pool = WarmPool(
+            self.backend,
+            warm_specs={self.default_spec: config.warm_sandboxes_per_worker} if config.warm_sandboxes_per_worker else {},
+            max_age_s=config.sandbox_max_age_s,
+        )
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._segment_ids = itertools.count()
+        self.segment_prefix = f"rld{os.getuid()}-{os.getppid()}-w{index}g{generation}-"
+        self.handlers: dict[str, Handler] = {
+            "sandbox.open": self._sandbox_open,
+            "sandbox.run": self._sandbox_run,
+            "sandbox.ipython": self._sandbox_ipython,
+            "sandbox.close": self._sandbox_close,
+            "debug.make_arrays": self._make_arrays,
+        }
+        self.extra_stats: list[Callable[[], dict[str, Any]]] = []
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def send(self, msg_type: MsgType, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
+        assert self.sock is not None
+        self.sock.send(framing.encode(msg_type, header, buffers))
+
+    async def serve(self) -> None:
+        sock = make_socket(self.ctx, zmq.DEALER, identity=f"w{self.index}".encode())
+        sock.connect(self.endpoint)
+        self.sock = LoopSocket(sock, self._on_message)
+        await self.pool.start()
+        self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation})
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                stats = tg.create_task(self._stats_loop())
+                await stopping.wait()
+                stats.cancel()
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.pool.close()
+        await self.backend.close()
+        if self.sock is not None:
+            self.sock.close(linger_ms=1000)
+        self.ctx.term()
+
+    def _on_message(self, frames: list[Any]) -> None:
+        try:
+            msg_type, header, buffers = framing.decode(
+                frames, max_bytes=self.config.max_message_bytes,
+                known_types=frozenset({MsgType.REQUEST, MsgType.CANCEL}),
+            )
+        except RolloutdError:
+            log.exception("worker %d: undecodable message from the supervisor", self.index)
+            return
+        rid = header.get("id", "")
+        if msg_type == MsgType.CANCEL:
+            task = self.tasks.get(rid)
+            if task is not None:
+                task.cancel(msg="cancelled by the client")
+            return
+        task = asyncio.get_running_loop().create_task(self._handle(rid, header, buffers))
+        self.tasks[rid] = task
+        task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
+
+    async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any]) -> None:
+        if header.get("op") not in PINNED_OPS:  # pinned ops are never re-dispatched anyway
+            self.send(MsgType.STARTED, {"id": rid})
+        try:
+            args = parse_args(header.get("op"), header.get("args"))
+            result, arrays = await self.handlers[header["op"]](args, header)
+            refs: list[framing.ArrayRef] = []
+            bufs: list[Any] = []
+            if arrays:
+                if header.get("arrays") == "shm":
+                    refs = shm.write_segment(f"{self.segment_prefix}{next(self._segment_ids)}", arrays)
+                else:
+                    refs, bufs = framing.arrays_to_frames(arrays)
+            self.send(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]}, bufs)
+        except asyncio.CancelledError:
+            self._send_error(rid, Cancelled(f"request {rid} was cancelled"))
+        except RolloutdError as e:
+            self._send_error(rid, e)
+        except Exception as e:  # a bug must still answer the request
+            log.exception("worker %d: request %s failed", self.index, rid)
+            self._send_error(rid, RolloutdError(f"internal error in worker {self.index}: {e!r}"))
+
+    def _send_error(self, rid: str, e: RolloutdError) -> None:
+        self.send(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": _plain(e.details)})
+
+    async def _stats_loop(self) -> None:
+        proc = psutil.Process()
+        while True:
+            stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks), "rss_bytes": proc.memory_info().rss,
+                     "pid": os.getpid()}
+            for extra in self.extra_stats:
+                stats.update(extra())
+            self.send(MsgType.STATS, {"index": self.index, "stats": stats})
+            await asyncio.sleep(1.0)
+
+    # --- sandbox ops ---------------------------------------------------------------------------
+
+    async def _sandbox_open(self, args: SandboxOpenArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        spec = SandboxSpec(image=args.image, network=args.network, ipython=args.ipython, writable=args.writable)
+        lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
+        sb = lease.sandbox
+        return {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
+                "workspace": sb.workspace_inside, "ipython": lease.kernel is not None}, {}
+
+    async def _sandbox_run(self, args: SandboxRunArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        result = await self.pool.get(args.sandbox_id).run(args.command, timeout_s=args.timeout_s)
+        return to_fields(result), {}
+
+    async def _sandbox_ipython(self, args: SandboxIPythonArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        result = await self.pool.get(args.sandbox_id).ipython(args.code, timeout_s=args.timeout_s)
+        return to_fields(result), {}
+
+    async def _sandbox_close(self, args: SandboxCloseArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        await self.pool.release(self.pool.get(args.sandbox_id))
+        return {"closed": args.sandbox_id}, {}
+
+    async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        per = max(1, args.n_tokens // max(1, args.n_trajectories))
+        arrays = {}
+        for i in range(args.n_trajectories):
+            arrays[f"{i}.response_ids"] = np.arange(per, dtype=np.int32) + i
+            arrays[f"{i}.response_logprobs"] = np.full(per, -0.5, dtype=np.float32)
+            arrays[f"{i}.response_mask"] = np.ones(per, dtype=np.uint8)
+        return {"n_trajectories": args.n_trajectories, "tokens_each": per}, arrays
+
+
+def _plain(details: dict[str, Any]) -> dict[str, Any]:
+    """Details as msgpack-able values (anything else becomes its repr)."""
+    out = {}
+    for k, v in details.items():
+        out[str(k)] = v if isinstance(v, (str, int, float, bool, type(None), list, dict)) else repr(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="rolloutd worker (started by the node supervisor)")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--generation", type=int, required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--state-dir", type=Path, required=True)
+    args = p.parse_args(argv)
+    config = NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
+    logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
+    # Die with the supervisor even if it is killed with SIGKILL (no orphaned workers).
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    worker = Worker(config, args.index, args.generation, args.state_dir, args.endpoint)
+    t0 = time.monotonic()
+    uvloop.run(worker.serve())
+    log.info("worker %d stopped after %.1f s", args.index, time.monotonic() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""A ZeroMQ socket driven straight from the event loop's reader callback.
+
+``zmq.asyncio`` wraps every send and receive in futures and poller events (~0.1 ms a message in
+Python); a daemon that forwards every message twice cannot afford that. Here the socket's
+notification descriptor is watched with ``loop.add_reader``; messages are drained with
+non-blocking receives and handed to a plain callback; sends are non-blocking too (the sockets
+have no high-water mark, so a send never has to wait).
+
+ZeroMQ's descriptor is edge-triggered: it signals a change, not readability. So the drain runs
+until ``EVENTS`` has no POLLIN, and every send re-checks, because a send can consume the edge
+that announced an incoming message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+BATCH = 256
+"""Messages handled per callback before yielding to other loop work."""
+
+
+class LoopSocket:
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[zmq.Frame]], None],
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.sock = sock
+        self.on_message = on_message
+        self.loop = loop or asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._scheduled = False
+        self.loop.add_reader(self._fd, self._drain)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        sock = self.sock
+        for _ in range(BATCH):
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self.on_message(frames)
+            except Exception:  # one bad message must not stop the socket
+                log.exception("error handling a message")
+        self._schedule()
+
+    def send(self, frames: list[Any]) -> None:
+        """Send now; raises zmq.ZMQError (e.g. EHOSTUNREACH on a ROUTER_MANDATORY socket)."""
+        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._schedule()
+
+    def close(self, linger_ms: int = 0) -> None:
+        if not self.sock.closed:
+            self.loop.remove_reader(self._fd)
+            self.sock.close(linger=linger_ms)
