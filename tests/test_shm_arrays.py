@@ -1,0 +1,95 @@
+"""Token arrays through shared memory: zero-copy mapping, release, reclaim, resource tracker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from daemon_fixtures import node_daemon
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.native_io import shm
+
+SHM = Path("/dev/shm")
+
+
+def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+        with RolloutClient(address) as client:
+            reply = client.request("debug.make_arrays", {"n_tokens": 300_000, "n_trajectories": 3})
+            ids = reply.arrays["2.response_ids"]
+            assert ids.dtype == np.int32 and ids.shape == (100_000,)
+            assert ids[0] == 2 and ids[-1] == 100_001
+            assert reply.arrays["0.response_logprobs"].dtype == np.float32
+            # A view over the mapped segment, not a copy: numpy does not own the memory.
+            assert not ids.flags.owndata and not ids.flags.writeable
+            (segment,) = reply.segments
+            assert (SHM / segment).exists()
+            client.release(reply)
+            deadline = time.monotonic() + 5
+            while (SHM / segment).exists() and time.monotonic() < deadline:
+                client.status()
+            assert not (SHM / segment).exists()
+            assert ids[5] == 7  # the mapping outlives the unlink
+
+
+def test_frames_transport_gives_the_same_arrays(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+        with RolloutClient(address, arrays="frames") as frames, RolloutClient(address) as shared:
+            a = frames.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
+            b = shared.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
+            assert a.segments == [] and b.segments
+            assert a.arrays.keys() == b.arrays.keys()
+            for key in a.arrays:
+                np.testing.assert_array_equal(a.arrays[key], b.arrays[key])
+
+
+CLIENT_THAT_DIES = """
+import os, sys, time
+from rolloutd.client.sync_client import RolloutClient
+c = RolloutClient(sys.argv[1])
+r = c.request("debug.make_arrays", {"n_tokens": 50000})
+print(r.segments[0], flush=True)
+time.sleep(60)
+"""
+
+
+def test_segments_of_a_killed_client_are_reclaimed(short_tmp: Path) -> None:
+    env = {"ROLLOUTD_SHM_LEASE_TIMEOUT_S": "1"}
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", env=env) as address:
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT_THAT_DIES, address], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        segment = proc.stdout.readline().strip()
+        assert (SHM / segment).exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        deadline = time.monotonic() + 10
+        while (SHM / segment).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not (SHM / segment).exists(), "segment of a dead client was not reclaimed"
+        with RolloutClient(address) as client:
+            assert client.status()["counters"]["segments_reclaimed"] == 1
+
+
+def test_reader_exit_does_not_unlink_the_writers_segment(short_tmp: Path) -> None:
+    name = f"rld-test-{os.getpid()}"
+    refs = shm.write_segment(name, {"x": np.arange(10, dtype=np.int32)})
+    try:
+        code = (
+            "import sys, pickle; from rolloutd.native_io import shm, framing;"
+            "refs=[framing.ArrayRef.from_wire(r) for r in pickle.loads(bytes.fromhex(sys.argv[1]))];"
+            "a=shm.map_segments(refs); assert int(a['x'].sum()) == 45"
+        )
+        import pickle
+
+        arg = pickle.dumps([r.to_wire() for r in refs]).hex()
+        subprocess.run([sys.executable, "-c", code, arg], check=True)
+        assert (SHM / name).exists(), "a reader's exit removed the segment"
+    finally:
+        shm.unlink(name)
