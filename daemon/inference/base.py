@@ -125,6 +125,10 @@ def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params:
         raise InferenceProtocolError(
             f"{server} returned {len(token_ids)} token ids but {len(logprobs)} log-probabilities "
             f"({what}); refusing a trajectory whose tokens and log-probabilities do not line up")
+    missing = next((i for i, lp in enumerate(logprobs) if lp is None), None)
+    if missing is not None:
+        raise InferenceProtocolError(f"{server} returned no log-probability for generated token "
+                                     f"{missing} of {len(token_ids)} ({what})")
     if finish_reason not in FINISH_REASONS:
         raise InferenceProtocolError(f"{server} gave finish reason {finish_reason!r} ({what}); "
                                      f"expected one of {sorted(FINISH_REASONS)}")
