@@ -65,8 +65,9 @@ class ReferenceModel:
     @classmethod
     def init(cls, seed: int = 0, config: ModelConfig | None = None, *, eos_id: int | None = 2,
              eos_bias: float = 4.0) -> ReferenceModel:
-        """Weights drawn from ``seed``; ``eos_bias`` raises the end-of-turn token's logit so
-        untrained samples end after a few dozen tokens instead of always hitting max_tokens."""
+        """Weights drawn from ``seed``; ``eos_bias`` raises the logit of ``eos_id`` (the reference
+        tokenizer's ``<|im_end|>``, id 2: special tokens are trained first, so their ids are fixed)
+        so untrained samples end after a few dozen tokens instead of always hitting max_tokens."""
         config = config or ModelConfig()
         rng = np.random.default_rng(seed)
         shapes = config.shapes()
@@ -147,6 +148,12 @@ class ReferenceModel:
         ctx = self.contexts(np.concatenate([prompt, resp]))[prompt.size:-1]
         lp = self.next_logprobs(ctx)
         return lp[np.arange(resp.size), resp].astype(np.float32)
+
+
+def default_model() -> ReferenceModel:
+    """The weights the policy server uses unless given ``--weights``; a trainer rebuilds the same
+    model with this call to recompute log-probabilities."""
+    return ReferenceModel.init(seed=0)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from rolloutd.daemon.policy import routes_sglang, routes_vllm
 from rolloutd.daemon.policy.engine import PolicyEngine
-from rolloutd.daemon.policy.model import ReferenceModel
+from rolloutd.daemon.policy.model import ReferenceModel, default_model
 from rolloutd.daemon.policy.scripted import ScriptedPlans, ScriptedReplies
 from rolloutd.daemon.policy.state import STATE, PolicyState, error_middleware, read_json
 from rolloutd.daemon.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_raw_tokenizer, special_ids
@@ -141,7 +141,7 @@ async def _reset_utilisation(request: web.Request) -> web.Response:
 def build_app(config: PolicyServerConfig) -> tuple[web.Application, PolicyState]:
     tokenizer = load_raw_tokenizer(config.tokenizer_dir)
     special = special_ids(tokenizer)
-    model = ReferenceModel.load(config.weights) if config.weights else ReferenceModel.init(0, eos_id=special.im_end)
+    model = ReferenceModel.load(config.weights) if config.weights else default_model()
     if model.config.vocab_size != tokenizer.get_vocab_size():
         raise ConfigError(f"the weights have vocab {model.config.vocab_size} but the tokenizer in "
                           f"{config.tokenizer_dir} has {tokenizer.get_vocab_size()}")
@@ -178,7 +178,7 @@ async def serve_policy(config: PolicyServerConfig) -> AsyncIterator[PolicyServer
         logger.warning("SCRIPTED mode: replies follow per-task plans, not the model's samples "
                        "(log-probabilities are still the model's)")
     # handler_cancellation: a client that hangs up aborts its request, as on vLLM and SGLang.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await state.engine.start()
