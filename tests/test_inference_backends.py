@@ -213,7 +213,7 @@ def test_cancel_aborts_on_the_server(kind: str) -> None:
         async with policy_server(slots=4, ms_per_token=20) as srv:
             backend = backend_for(kind, srv.url)
             try:
-                call = asyncio.create_task(backend.generate(PROMPT, SamplingParams(max_tokens=500, seed=1),
+                call = asyncio.create_task(backend.generate(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True),
                                                             request_id="cancel-me", timeout_s=30))
                 await wait_until(lambda: srv.engine.running == 1, what="request running")
                 call.cancel()

@@ -34,6 +34,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     """Extra ids that end the turn, besides the model's own end-of-turn tokens."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-turn tokens (until max_tokens or stop_token_ids)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further sampling fields passed through to the server as they are (e.g. ``min_p``)."""
 

@@ -30,6 +30,8 @@ def generate_request(prompt: list[int], params: SamplingParams, request_id: str)
         sampling["sampling_seed"] = params.seed
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        sampling["ignore_eos"] = True
     sampling.update(params.extra)
     return {"rid": request_id, "input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
             "stream": False}

@@ -35,6 +35,8 @@ def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
         fields["seed"] = params.seed
     if params.stop_token_ids:
         fields["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        fields["ignore_eos"] = True
     fields.update(params.extra)
     return fields
 

@@ -121,7 +121,8 @@ class PolicyEngine:
         rng = np.random.default_rng(seed if seed is not None else self._seed_rng.integers(2**63))
         c = self.model.config.context
         context = ([self.model.config.pad_id] * c + req.prompt_ids)[-c:]
-        seq = _Sequence(req=req, context=context, stops=self._stop_ids | frozenset(req.params.stop_token_ids),
+        stops = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self._stop_ids)
+        seq = _Sequence(req=req, context=context, stops=stops,
                         rng=rng, future=asyncio.get_running_loop().create_future(), started=time.monotonic())
         self._by_id[req.request_id] = seq
         self._waiting.append(seq)

@@ -77,6 +77,7 @@ def sampling_params(body: dict[str, Any], *, max_key: str, default_max: int, see
             top_k=-1 if top_k == 0 else top_k,
             seed=body.get(seed_key),
             stop_token_ids=tuple(get("stop_token_ids", ())),
+            ignore_eos=bool(get("ignore_eos", False)),
         )
     except (ConfigError, TypeError, ValueError) as e:
         raise BadRequest(f"bad sampling parameters: {e}") from e
