@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -106,6 +107,10 @@ class BadServer:
     async def _misbehave(self, request: web.Request, good: dict[str, Any],
                          without_logprobs: dict[str, Any], short: dict[str, Any],
                          too_many: dict[str, Any], wrong_token: dict[str, Any]) -> web.StreamResponse:
+        body = await request.json()
+        if not any(key in body for key in ("token_ids", "prompt", "input_ids")):
+            # What vLLM's and SGLang's request validation answer (and what protocol probes send).
+            return web.json_response({"object": "error", "message": "field required"}, status=400)
         self.generate_calls += 1
         if self.mode == "http500":
             return web.json_response({"object": "error", "message": "CUDA error: device-side assert"}, status=500)
@@ -167,3 +172,21 @@ class BadServer:
             request, answer([5, 6, 2], [-1.0, -2.0, -0.5]), answer([5, 6, 2], None),
             answer([5, 6, 2], [-1.0, -2.0], output_ids=[5, 6, 2]), answer(list(range(3, 103)), [-1.0] * 100),
             answer([5, 6, 2], [-1.0, -2.0, -0.5], output_ids=[5, 7, 2]))
+
+
+@contextlib.asynccontextmanager
+async def policy_server_process(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """The reference server as a separate process (``python -m ...server``); yields it and its URL."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rolloutd.daemon.policy.server", "--port", "0", "--api-key", API_KEY,
+        "--log-level", "WARNING", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await proc.stdout.readline()).decode().strip()
+        assert line.startswith("READY "), line
+        yield proc, line.split()[1]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
