@@ -109,13 +109,14 @@ def test_sglang_documented_weight_version_is_read() -> None:
 
 
 def _in_vocab(body: dict[str, Any], key: str, nested: str | None = None) -> dict[str, Any]:
-    """The documented request with its (Qwen) token ids mapped into the reference vocabulary."""
+    """The documented request with its (Qwen) token ids mapped into the reference vocabulary and
+    room to end on a stop token, as the documented answers do."""
     body = json.loads(json.dumps(body))
     body[key] = [t % 2048 for t in body[key]]
     if nested:
-        body[nested]["max_tokens" if "max_tokens" in body[nested] else "max_new_tokens"] = 8
+        body[nested]["max_tokens" if "max_tokens" in body[nested] else "max_new_tokens"] = 400
     else:
-        body["max_tokens"] = 8
+        body["max_tokens"] = 400
     return body
 
 
@@ -140,6 +141,8 @@ def test_reference_server_answers_documented_requests_in_the_documented_shape() 
 
     for answer, documented in run(scenario()):
         assert_shape_includes(answer, fixture(documented))
+        finish = answer["meta_info"]["finish_reason"]["type"] if "meta_info" in answer else answer["choices"][0]["finish_reason"]
+        assert finish == "stop"
 
 
 def test_shape_check_is_strict() -> None:
