@@ -61,9 +61,10 @@ class HTTPBackend(InferenceBackend):
     # --- generation --------------------------------------------------------------------------
 
     async def _generate_json(self, path: str, payload: dict[str, Any], *, timeout_s: float,
-                             request_id: str) -> tuple[dict[str, Any], float]:
-        """POST a generation request; returns the parsed answer and the seconds it took."""
-        body = json.dumps(payload).encode()
+                             request_id: str, prompt_key: str) -> tuple[dict[str, Any], float]:
+        """POST a generation request (``payload[prompt_key]`` holds the prompt ids); returns the
+        parsed answer and the seconds it took."""
+        body = _encode(payload, prompt_key)
         url = self.address + path
         started = time.perf_counter()
         try:
@@ -165,10 +166,24 @@ class HTTPBackend(InferenceBackend):
 
 
 def prompt_list(prompt_ids: Sequence[int] | np.ndarray) -> list[int]:
-    """Prompt ids as a JSON-ready list of Python ints."""
+    """Prompt ids as a list for the JSON body. A list is passed as it is (copying a long prompt
+    on every turn would dominate the client's cost); a list holding numpy integers is converted
+    when encoding fails (see :meth:`HTTPBackend._generate_json`)."""
+    if isinstance(prompt_ids, list):
+        return prompt_ids
     if isinstance(prompt_ids, np.ndarray):
         return prompt_ids.tolist()
     return [int(t) for t in prompt_ids]
+
+
+def _encode(payload: dict[str, Any], prompt_key: str | None) -> bytes:
+    try:
+        return json.dumps(payload).encode()
+    except TypeError:
+        if prompt_key is None:
+            raise
+        payload[prompt_key] = [int(t) for t in payload[prompt_key]]
+        return json.dumps(payload).encode()
 
 
 def _error_message(raw: bytes) -> str:

@@ -52,7 +52,8 @@ class _Server:
     failures: int = 0
     last_error: str = ""
     weight_version: str = ""
-    calls: dict[str, asyncio.Task[GenerateResult]] = field(default_factory=dict)
+    calls: dict[str, asyncio.Task[object]] = field(default_factory=dict)
+    """Request id -> the task waiting on it (cancelled to move the turn when the server goes)."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -82,6 +83,7 @@ class ServerPool:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._moving: set[asyncio.Task[object]] = set()
         self._health_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -135,10 +137,15 @@ class ServerPool:
             except TimeoutError:
                 logger.info("%s still has %d calls after %.1fs of draining; moving them", address,
                             server.in_flight, drain_timeout_s)
-        for task in list(server.calls.values()):
-            task.cancel()
-        if server.calls:
-            await asyncio.wait(set(server.calls.values()), timeout=10.0)
+        for task in server.calls.values():
+            self._moving.add(task)
+            task.cancel(f"rolloutd: inference server {address} was removed from the pool")
+        if server.in_flight:
+            try:
+                async with asyncio.timeout(10.0):
+                    await server.idle.wait()
+            except TimeoutError:
+                logger.warning("%d calls on removed server %s did not stop within 10s", server.in_flight, address)
         del self._servers[address]
         await server.backend.close()
         logger.info("removed %s (%d servers left)", address, len(self._servers))
@@ -169,6 +176,8 @@ class ServerPool:
                        trajectory_id: str, timeout_s: float, request_id: str | None = None) -> GenerateResult:
         """One turn of ``trajectory_id``; ``timeout_s`` is the deadline for all attempts."""
         loop = asyncio.get_running_loop()
+        current = asyncio.current_task()
+        assert current is not None
         deadline = loop.time() + timeout_s
         base_id = request_id or f"{trajectory_id}-{uuid.uuid4().hex[:12]}"
         if not self._resumed.is_set():
@@ -183,16 +192,16 @@ class ServerPool:
                 raise InferenceTimeout(f"turn {base_id} ran out of its {timeout_s:.1f}s deadline after "
                                        f"{attempt} failed attempt(s); raise timeout_s")
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
-            task = loop.create_task(server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining))
-            server.calls[rid] = task
+            server.calls[rid] = current
             server.in_flight += 1
             server.dispatched += 1
             server.idle.clear()
             try:
-                result = await task
+                # Awaited in this task (no extra task per call): remove_server cancels this task
+                # and the handler below tells its cancel from the caller's by _moving/uncancel.
+                result = await server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining)
             except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if server.removed and task.cancelled() and current is not None and current.cancelling() == 0:
+                if current in self._moving and current.uncancel() == 0:
                     logger.info("turn %s moved off removed server %s", rid, server.address)
                     self._sticky.pop(trajectory_id, None)
                     continue
@@ -205,6 +214,7 @@ class ServerPool:
                 failures.append(e)
                 continue
             finally:
+                self._moving.discard(current)
                 del server.calls[rid]
                 server.in_flight -= 1
                 if server.in_flight == 0:
@@ -316,7 +326,4 @@ class ServerPool:
             self._health_task = None
         servers = list(self._servers.values())
         self._servers.clear()
-        for server in servers:
-            for task in server.calls.values():
-                task.cancel()
         await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)

@@ -66,7 +66,8 @@ class SGLangHTTPBackend(HTTPBackend):
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, params: SamplingParams, *,
                        request_id: str, timeout_s: float) -> GenerateResult:
         payload = generate_request(prompt_list(prompt_ids), params, request_id)
-        obj, http_s = await self._generate_json(GENERATE_PATH, payload, timeout_s=timeout_s, request_id=request_id)
+        obj, http_s = await self._generate_json(GENERATE_PATH, payload, timeout_s=timeout_s, request_id=request_id,
+                                                prompt_key="input_ids")
         ids, logprobs, finish, version = parse_generate_response(obj, self.address)
         return checked_result(ids, logprobs, finish, params=params, server=self.address, what=_WHAT,
                               weight_version=version, request_id=request_id, http_s=http_s)

@@ -114,7 +114,8 @@ class VLLMHTTPBackend(HTTPBackend):
             payload = generate_request(prompt, params, request_id, self._model)
         else:
             payload = completions_request(prompt, params, request_id, self._model)
-        obj, http_s = await self._generate_json(self._path, payload, timeout_s=timeout_s, request_id=request_id)
+        obj, http_s = await self._generate_json(self._path, payload, timeout_s=timeout_s, request_id=request_id,
+                                                prompt_key="token_ids" if self.route == "generate" else "prompt")
         if self.route == "generate":
             ids, logprobs, finish = parse_generate_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.content[*].logprob"
