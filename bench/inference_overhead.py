@@ -153,7 +153,8 @@ async def bench(quick: bool) -> dict[str, Any]:
         proc.terminate()
         await proc.wait()
     model = default_model()
-    diffs = [float(np.abs(model.token_logprobs(p, r.token_ids) - r.logprobs).max()) for p, r in record if len(r.token_ids)]
+    diffs = [float(np.abs(model.token_logprobs(p, r.token_ids) - r.logprobs).max())
+             for p, r in record if len(r.token_ids)]
     results["fidelity_max_abs_diff"] = max(diffs)
     results["fidelity_tokens_checked"] = int(sum(len(r.token_ids) for _, r in record))
     results["pool_overhead_p50_ms_256"] = results["levels"][256]["pool"]["overhead_p50_ms"]

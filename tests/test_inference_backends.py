@@ -65,7 +65,8 @@ def test_max_tokens_gives_length_and_stop_ids_give_stop(kind: str) -> None:
         async with policy_server() as srv:
             backend = backend_for(kind, srv.url)
             try:
-                short = await backend.generate(PROMPT, SamplingParams(max_tokens=3, seed=1), request_id="a", timeout_s=10)
+                short = await backend.generate(PROMPT, SamplingParams(max_tokens=3, seed=1), request_id="a",
+                                               timeout_s=10)
                 seed = 0
                 while (full := await backend.generate(PROMPT, SamplingParams(max_tokens=5, seed=seed),
                                                       request_id=f"b{seed}", timeout_s=10)).finish_reason != "length":
@@ -74,8 +75,8 @@ def test_max_tokens_gives_length_and_stop_ids_give_stop(kind: str) -> None:
                 # the stop token included.
                 stop_at = int(full.token_ids[2])
                 end = full.token_ids.tolist().index(stop_at) + 1
-                stopped = await backend.generate(PROMPT, SamplingParams(max_tokens=5, seed=seed, stop_token_ids=(stop_at,)),
-                                                 request_id="c", timeout_s=10)
+                stop_params = SamplingParams(max_tokens=5, seed=seed, stop_token_ids=(stop_at,))
+                stopped = await backend.generate(PROMPT, stop_params, request_id="c", timeout_s=10)
             finally:
                 await backend.close()
         assert (len(short.token_ids), short.finish_reason) == (3, "length")
@@ -256,7 +257,8 @@ class _Logprob:
         self.rank = 1
 
 
-def _request_output(ids: list[int], positions: list[dict[int, _Logprob]] | None, finish: str = "stop") -> SimpleNamespace:
+def _request_output(ids: list[int], positions: list[dict[int, _Logprob]] | None,
+                    finish: str | None = "stop") -> SimpleNamespace:
     """Shaped like vllm.RequestOutput (outputs[0] is a CompletionOutput)."""
     completion = SimpleNamespace(index=0, text="", token_ids=ids, cumulative_logprob=None, logprobs=positions,
                                  finish_reason=finish, stop_reason=None)
@@ -266,7 +268,8 @@ def _request_output(ids: list[int], positions: list[dict[int, _Logprob]] | None,
 def test_vllm_inprocess_conversion() -> None:
     params = SamplingParams(max_tokens=8)
     # logprobs=0 returns the sampled token's entry; vLLM may add a higher-ranked alternative too.
-    out = _request_output([5, 9, 2], [{5: _Logprob(-0.5)}, {9: _Logprob(-2.25), 4: _Logprob(-0.1)}, {2: _Logprob(-0.01)}])
+    out = _request_output([5, 9, 2], [{5: _Logprob(-0.5)}, {9: _Logprob(-2.25), 4: _Logprob(-0.1)},
+                                      {2: _Logprob(-0.01)}])
     result = result_from_request_output(out, params=params, server="vllm-inprocess:m", request_id="r")
     assert result.token_ids.tolist() == [5, 9, 2]
     np.testing.assert_allclose(result.logprobs, [-0.5, -2.25, -0.01], rtol=1e-6)
@@ -280,7 +283,7 @@ def test_vllm_inprocess_conversion() -> None:
         result_from_request_output(_request_output([5, 9], [{5: _Logprob(-0.5)}]), params=params, server="s",
                                    request_id="r")
     with pytest.raises(InferenceProtocolError, match="finish reason"):
-        result_from_request_output(_request_output([5], [{5: _Logprob(-0.5)}], finish=None), params=params,  # type: ignore[arg-type]
+        result_from_request_output(_request_output([5], [{5: _Logprob(-0.5)}], finish=None), params=params,
                                    server="s", request_id="r")
 
 

@@ -51,7 +51,7 @@ def trainer_check(model: ReferenceModel, traj: Built) -> float:
 async def build(pool: ServerPool, name: str, prompt: list[int], observations: list[list[int]],
                 params: SamplingParams) -> Built:
     traj = Built(prompt_ids=list(prompt))
-    for turn, observation in enumerate([*observations, []]):
+    for observation in [*observations, []]:
         context = traj.prompt_ids + traj.response_ids
         result = await pool.generate(context, params, trajectory_id=name, timeout_s=30)
         traj.response_ids += result.token_ids.tolist()

@@ -66,13 +66,14 @@ def test_new_trajectories_avoid_the_busy_server_and_release_drops_stickiness() -
     async def scenario() -> None:
         async with policy_server(ms_per_token=10) as slow, policy_server() as fast:
             async with await ServerPool.create([slow.url, fast.url], api_key=API_KEY) as pool:
-                # Pin three long turns to the slow server, then start new trajectories.
+                # Six long turns: three land on the slow server and are still running there when
+                # new trajectories start.
                 pinned = [asyncio.create_task(pool.generate(PROMPT, LONG, trajectory_id=f"p{i}", timeout_s=30))
                           for i in range(6)]
                 await wait_until(lambda: slow.engine.running == 3 and fast.engine.running == 0 or
                                  all(t.done() for t in pinned))
-                fresh = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_tokens=4), trajectory_id=f"n{i}",
-                                                             timeout_s=30) for i in range(3)))
+                fresh = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_tokens=4),
+                                                             trajectory_id=f"n{i}", timeout_s=30) for i in range(3)))
                 assert {r.server for r in fresh} == {fast.url}
                 done = await asyncio.gather(*pinned)
                 sticky_server = done[0].server
@@ -136,7 +137,8 @@ def test_crashed_server_turns_are_retried_whole_on_another() -> None:
 def test_bad_server_is_taken_out_and_the_turn_retried(mode: str) -> None:
     async def scenario() -> None:
         async with BadServer(mode) as bad, policy_server() as good:
-            async with await ServerPool.create(["vllm+" + bad.url, good.url], api_key=API_KEY, health_interval_s=0) as pool:
+            specs = ["vllm+" + bad.url, good.url]
+            async with await ServerPool.create(specs, api_key=API_KEY, health_interval_s=0) as pool:
                 params = SamplingParams(max_tokens=12, seed=4)
                 result = await pool.generate(PROMPT, params, trajectory_id="x", timeout_s=30)
                 status = {s["address"]: s for s in pool.status()["servers"]}
@@ -177,8 +179,8 @@ def test_health_loop_takes_dead_servers_out_and_back_in() -> None:
                     await wait_until(lambda: pool.status()["servers"][1]["healthy"])
                     url = flaky.url
                 await wait_until(lambda: not pool.status()["servers"][1]["healthy"], what="dead server out")
-                results = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_tokens=3), trajectory_id=f"h{i}",
-                                                               timeout_s=10) for i in range(4)))
+                results = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_tokens=3),
+                                                               trajectory_id=f"h{i}", timeout_s=10) for i in range(4)))
         assert {r.server for r in results} == {good.url} and url != good.url
     run(scenario())
 

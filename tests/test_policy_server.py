@@ -33,8 +33,9 @@ from rolloutd.daemon.policy.tokenizer import (
 from rolloutd.native_io.errors import ConfigError
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
-                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "Task id: demo-1\nMake the tests pass."},
@@ -156,8 +157,9 @@ def test_sampler_follows_the_model_distribution() -> None:
         tok, tlp = sample_batch(logits, [narrow], [np.random.default_rng(1)], [None])
         assert tok[0] == greedy and tlp[0] == pytest.approx(lp[greedy])
     top5 = set(np.argsort(-lp)[:5].tolist())
-    tokens, _ = sample_batch(np.repeat(logits, 300, axis=0), [SamplingParams(max_tokens=1, top_k=5, temperature=2.0)] * 300,
-                             [np.random.default_rng(i) for i in range(300)], [None] * 300)
+    hot_top5 = [SamplingParams(max_tokens=1, top_k=5, temperature=2.0)] * 300
+    tokens, _ = sample_batch(np.repeat(logits, 300, axis=0), hot_top5, [np.random.default_rng(i) for i in range(300)],
+                             [None] * 300)
     assert set(tokens.tolist()) <= top5 and len(set(tokens.tolist())) > 1
 
 
@@ -309,7 +311,8 @@ def test_weights_and_weight_version_updates(tmp_path: Path) -> None:
                                          {"model_path": str(tmp_path), "weight_version": "step-1"})
             assert status == 200 and answer["success"], answer
             after = await backend.generate(PROMPT, SamplingParams(max_tokens=8, seed=2), request_id="b", timeout_s=10)
-            status, answer = await _post(session, srv.url + "/update_weights_from_disk", {"model_path": str(tmp_path / "nope.npz")})
+            status, answer = await _post(session, srv.url + "/update_weights_from_disk",
+                                         {"model_path": str(tmp_path / "nope.npz")})
             assert status == 400 and not answer["success"] and "cannot load" in answer["message"]
             await _post(session, srv.url + "/update_weight_version", {"new_version": "step-2"})
             info = (await _get(session, srv.url + "/get_model_info"))[1]
@@ -372,8 +375,8 @@ def test_scripted_mode_follows_plans_with_true_logprobs(caplog: pytest.LogCaptur
                 "\n<|im_start|>user\n<tool_response>\n3 passed\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                 add_special_tokens=False)
             turn2 = await backend.generate(p2, params, request_id="t2", timeout_s=10)
-            p3 = p2 + turn2.token_ids.tolist() + tok.encode("\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n",
-                                                            add_special_tokens=False)
+            p3 = p2 + turn2.token_ids.tolist() + tok.encode(
+                "\n<|im_start|>user\nMore?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
             turn3 = await backend.generate(p3, params, request_id="t3", timeout_s=10)
             cut = await backend.generate(p1, SamplingParams(max_tokens=3), request_id="t4", timeout_s=10)
             unplanned = prompt([system, {"role": "user", "content": "Task id: other\nHello"}])

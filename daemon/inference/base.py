@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,6 +55,20 @@ class SamplingParams:
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+
+    def wire_fields(self, *, max_key: str, seed_key: str) -> dict[str, Any]:
+        """The sampling fields as a server's JSON names them (vLLM: ``max_tokens``/``seed``,
+        SGLang: ``max_new_tokens``/``sampling_seed``); unset options are left out."""
+        fields: dict[str, Any] = {max_key: self.max_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.seed is not None:
+            fields[seed_key] = self.seed
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            fields["ignore_eos"] = True
+        fields.update(self.extra)
+        return fields
 
 
 @dataclass

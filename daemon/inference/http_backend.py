@@ -16,7 +16,8 @@ import json
 import logging
 import time
 from abc import abstractmethod
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import aiohttp
 import numpy as np
@@ -106,7 +107,8 @@ class HTTPBackend(InferenceBackend):
             raise InferenceRejected(f"{self.address} refused our credentials on {path} (HTTP {status}: "
                                     f"{detail}); pass the server's --api-key as the backend's api_key")
         if status == 404:
-            raise InferenceProtocolError(f"{self.address} has no route {path} (HTTP 404); {self._missing_route_hint(path)}")
+            raise InferenceProtocolError(f"{self.address} has no route {path} (HTTP 404); "
+                                         f"{self._missing_route_hint(path)}")
         if 400 <= status < 500 and status not in _RETRYABLE_4XX:
             raise InferenceRejected(f"{self.address} rejected the request to {path} (HTTP {status}): {detail}")
         raise InferenceError(f"{self.address} failed on {path} with HTTP {status}: {detail}")

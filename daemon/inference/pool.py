@@ -23,7 +23,8 @@ import logging
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -164,7 +165,9 @@ class ServerPool:
                 return server
         best: _Server | None = None
         for server in self._servers.values():
-            if server.usable and (best is None or (server.in_flight, server.dispatched) < (best.in_flight, best.dispatched)):
+            # Fewest calls in flight; ties go to the server that got fewer calls so far.
+            if server.usable and (best is None or (server.in_flight, server.dispatched)
+                                  < (best.in_flight, best.dispatched)):
                 best = server
         if best is not None:
             self._sticky[trajectory_id] = best.address

@@ -10,7 +10,8 @@ after ``/continue_generation``) and ``abort`` onto ``abort``; SGLang has no ``wa
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,15 +25,7 @@ _WHAT = "meta_info.output_token_logprobs"
 
 
 def generate_request(prompt: list[int], params: SamplingParams, request_id: str) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,
-                                "top_p": params.top_p, "top_k": params.top_k, "skip_special_tokens": False}
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
-    if params.stop_token_ids:
-        sampling["stop_token_ids"] = list(params.stop_token_ids)
-    if params.ignore_eos:
-        sampling["ignore_eos"] = True
-    sampling.update(params.extra)
+    sampling = {**params.wire_fields(max_key="max_new_tokens", seed_key="sampling_seed"), "skip_special_tokens": False}
     return {"rid": request_id, "input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
             "stream": False}
 

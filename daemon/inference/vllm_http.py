@@ -15,7 +15,8 @@ which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,16 +30,8 @@ ROUTES = {"generate": GENERATE_PATH, "completions": COMPLETIONS_PATH}
 
 
 def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    fields: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature,
-                              "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0}
-    if params.seed is not None:
-        fields["seed"] = params.seed
-    if params.stop_token_ids:
-        fields["stop_token_ids"] = list(params.stop_token_ids)
-    if params.ignore_eos:
-        fields["ignore_eos"] = True
-    fields.update(params.extra)
-    return fields
+    # logprobs=0: only the sampled token's log-probability (vLLM always includes it).
+    return {**params.wire_fields(max_key="max_tokens", seed_key="seed"), "logprobs": 0}
 
 
 def generate_request(prompt: list[int], params: SamplingParams, request_id: str,

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import time
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -97,7 +98,8 @@ class VLLMInProcessBackend(InferenceBackend):
     def _sampling(self, params: SamplingParams) -> Any:
         return self._vllm.SamplingParams(
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k, seed=params.seed, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            top_k=params.top_k, seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
             logprobs=0, detokenize=False, output_kind=self._vllm.RequestOutputKind.FINAL_ONLY,
             **params.extra)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -94,7 +94,8 @@ class ReferenceModel:
         return cls(params, config)
 
     def save(self, path: str | Path) -> None:
-        np.savez(path, config=np.array(json.dumps(asdict(self.config))), **self._params)
+        arrays: dict[str, np.ndarray] = {"config": np.array(json.dumps(asdict(self.config))), **self._params}
+        np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds too narrowly
 
     @property
     def params(self) -> dict[str, np.ndarray]:

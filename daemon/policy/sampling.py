@@ -7,7 +7,7 @@ is always the raw one, log_softmax(logits)[token], before temperature, top-p or 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,8 +32,9 @@ def sample_batch(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Seq
     plain: list[int] = []
     for row in range(b):
         p = params[row]
-        if forced[row] is not None:
-            tokens[row] = forced[row]
+        token = forced[row]
+        if token is not None:
+            tokens[row] = token
         elif p.temperature < GREEDY_BELOW:
             tokens[row] = int(np.argmax(shifted[row]))
         elif p.temperature == 1.0 and p.top_p >= 1.0 and p.top_k <= 0:

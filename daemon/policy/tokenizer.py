@@ -70,8 +70,9 @@ def load_raw_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 
 def special_ids(tok: Tokenizer) -> SpecialIds:
-    ids = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
-    missing = [name for name, i in ids.items() if i is None]
-    if missing:
+    found = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    ids = {name: i for name, i in found.items() if i is not None}
+    if len(ids) < len(found):
+        missing = sorted(set(found) - set(ids))
         raise ConfigError(f"tokenizer lacks the special tokens {missing}; re-train it with train_tokenizer")
     return SpecialIds(endoftext=ids["<|endoftext|>"], im_start=ids["<|im_start|>"], im_end=ids["<|im_end|>"])
