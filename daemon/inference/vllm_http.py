@@ -10,7 +10,9 @@ Two routes, chosen per server (:mod:`rolloutd.daemon.inference.factory` detects 
 
 vLLM reports no weight version in either answer: the pool records the version it was told.
 Pause and resume use the RL control routes (``/pause?mode=``, ``/resume``, ``/abort_requests``),
-which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``.
+which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``. A cancelled or timed-out call closes its
+connection, which makes vLLM drop the request; ``/abort_requests`` is sent as well, best effort
+(vLLM may track the request under a prefixed internal id).
 """
 
 from __future__ import annotations

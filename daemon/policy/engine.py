@@ -9,8 +9,8 @@ least ``ms_per_token`` ms of (async) time. The engine integrates ``running/slots
 which is what :meth:`utilisation` reports.
 
 Pause modes follow vLLM: ``keep`` freezes running sequences until :meth:`resume`, ``abort`` ends
-them (finish reason ``abort``, tokens so far returned), ``wait`` lets them finish first. While
-paused no step runs and new requests queue.
+every request it holds (finish reason ``abort``, tokens so far returned), ``wait`` lets running
+ones finish first. While paused no step runs and new requests queue.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class PolicyEngine:
                 self._draining = False
         self._paused = True
         if mode == "abort":
-            self.abort([s.req.request_id for s in self._running])
+            self.abort(None)
         logger.info("paused (mode %s): %d running, %d waiting", mode, self.running, self.waiting)
 
     def resume(self) -> None:
