@@ -284,3 +284,17 @@ def test_drain_lets_running_turns_finish_on_a_removed_server() -> None:
                 result = await call
         assert result.server == a.url and len(result.token_ids) == 40
     run(scenario())
+
+
+def test_max_attempts_bounds_the_retries() -> None:
+    async def scenario() -> None:
+        async with BadServer("http500") as b1, BadServer("http500") as b2, BadServer("http500") as b3:
+            specs = ["sglang+" + b.url for b in (b1, b2, b3)]
+            async with await ServerPool.create(specs, max_attempts=2, health_interval_s=0) as pool:
+                with pytest.raises(InferenceError, match="HTTP 500") as info:
+                    await pool.generate(PROMPT, SamplingParams(max_tokens=4), trajectory_id="m", timeout_s=10)
+                healthy = [s["healthy"] for s in pool.status()["servers"]]
+        assert [b.generate_calls for b in (b1, b2, b3)] == [1, 1, 0]
+        assert healthy == [False, False, True]
+        assert any("max_attempts=2" in note for note in info.value.__notes__)
+    run(scenario())

@@ -186,15 +186,18 @@ class ServerPool:
         if not self._resumed.is_set():
             await self._wait_resumed(deadline, base_id)
         failures: list[InferenceError] = []
-        for attempt in range(self._max_attempts):
+        attempt = 0
+        # Failed attempts count against max_attempts; turns moved off a removed server do not.
+        while len(failures) < self._max_attempts:
             server = self._choose(trajectory_id)
             if server is None:
                 break
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise InferenceTimeout(f"turn {base_id} ran out of its {timeout_s:.1f}s deadline after "
-                                       f"{attempt} failed attempt(s); raise timeout_s")
+                                       f"{attempt} attempt(s); raise timeout_s")
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
+            attempt += 1
             server.calls[rid] = current
             server.in_flight += 1
             server.dispatched += 1
@@ -230,9 +233,10 @@ class ServerPool:
             return result
         if failures:
             last = failures[-1]
+            why = "no other healthy server was left" if len(failures) < self._max_attempts else \
+                f"max_attempts={self._max_attempts} was reached"
             last.add_note(f"rolloutd pool: turn {base_id} failed on {len(failures)} server(s) "
-                          f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}) and no "
-                          "other healthy server was left to retry on")
+                          f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}); {why}")
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
                                 f"(pool: {self._describe()}); add servers or wait for the health check")
