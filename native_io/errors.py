@@ -55,6 +55,12 @@ class NotFound(RolloutdError, LookupError):
     code = "NOT_FOUND"
 
 
+class MissingDependency(RolloutdError, ImportError):
+    """An optional package (a trainer, torch) is needed for what was asked and is not importable."""
+
+    code = "MISSING_DEPENDENCY"
+
+
 # --- capacity and lifecycle --------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from rolloutd.native_io.errors import (
     InferenceProtocolError,
     InferenceRejected,
     InferenceTimeout,
+    MissingDependency,
 )
 
 KINDS = ["vllm-generate", "vllm-completions", "sglang"]
@@ -289,11 +290,12 @@ def test_vllm_inprocess_conversion() -> None:
 
 def test_vllm_inprocess_import_is_lazy_with_a_clear_error() -> None:
     if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ConfigError, match=r"pip install 'rolloutd\[vllm\]'"):
+        with pytest.raises(MissingDependency, match=r"pip install 'rolloutd\[vllm\]'") as info:
             import_vllm()
+        assert isinstance(info.value, ImportError)
 
         async def scenario() -> None:
-            with pytest.raises(ConfigError, match="needs vLLM"):
+            with pytest.raises(MissingDependency, match="needs vLLM"):
                 await make_backend("vllm-inprocess:/models/none")
         run(scenario())
     else:

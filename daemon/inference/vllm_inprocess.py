@@ -30,7 +30,13 @@ from rolloutd.daemon.inference.base import (
     SamplingParams,
     checked_result,
 )
-from rolloutd.native_io.errors import ConfigError, InferenceError, InferenceProtocolError, InferenceTimeout
+from rolloutd.native_io.errors import (
+    ConfigError,
+    InferenceError,
+    InferenceProtocolError,
+    InferenceTimeout,
+    MissingDependency,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +44,14 @@ _WHAT = "RequestOutput.outputs[0].token_ids / .logprobs"
 
 
 def import_vllm() -> SimpleNamespace:
-    """The vLLM names this backend uses; a ConfigError saying how to install vLLM if missing."""
+    """The vLLM names this backend uses; MissingDependency saying how to install vLLM if missing."""
     try:
         from vllm import AsyncEngineArgs, TokensPrompt
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
-        raise ConfigError("the vllm-inprocess backend needs vLLM in this environment: "
+        raise MissingDependency("the vllm-inprocess backend needs vLLM in this environment: "
                           "pip install 'rolloutd[vllm]' (or use a vLLM server: vllm+http://HOST:PORT)") from e
     return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, TokensPrompt=TokensPrompt,
                            SamplingParams=VLLMSamplingParams, RequestOutputKind=RequestOutputKind,
