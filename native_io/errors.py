@@ -156,6 +156,13 @@ class InferenceTimeout(InferenceError, TimeoutError):
     code = "INFERENCE_TIMEOUT"
 
 
+class InferenceRejected(InferenceError):
+    """The server refused the request itself (HTTP 4xx: bad parameters, wrong API key); another
+    server would refuse it too, so it is not retried."""
+
+    code = "INFERENCE_REJECTED"
+
+
 # --- rollouts --------------------------------------------------------------------------------
 
 

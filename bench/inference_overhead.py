@@ -1,0 +1,209 @@
+"""Client-side cost of rolloutd's inference layer against the raw HTTP call it wraps.
+
+    python bench/inference_overhead.py [--quick] [--json PATH]
+
+Starts the reference policy server as a separate process (so the client process measures only
+client work) and, for 1, 32 and 256 concurrent trajectories, runs multi-turn trajectories two
+ways over the same kind of keep-alive aiohttp session:
+- raw:  json.dumps -> POST /inference/v1/generate -> read -> json.loads, ids and logprobs taken as lists
+- pool: ServerPool.generate (routing, stickiness, retries, validation, numpy arrays, weight version)
+
+Per call, "overhead" is the time the client spends outside the HTTP exchange (from the call to
+sending, and from having the whole answer to returning): for raw that is encoding and decoding
+JSON, for the pool everything rolloutd adds on top. Also reported: calls per second, latency,
+and client CPU per call (process time over the level, a cross-check that includes aiohttp).
+Finally the trainer-side fidelity check recomputes every pool-returned token's log-probability
+from the ids with the reference model. Target: pool overhead p50 <= 0.5 ms at 256 trajectories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.pool import ServerPool
+from rolloutd.daemon.policy.model import default_model
+
+API_KEY = "bench-key"
+LEVELS = (1, 32, 256)
+TARGET_MS = 0.5
+MAX_TOKENS = 8
+OBSERVATION = [1, 580, 207, 5, 73, 22, 310, 207, 6, 2, 207, 1, 464, 207]
+
+
+@dataclass
+class Level:
+    concurrency: int
+    calls: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    latency_ms: list[float] = field(default_factory=list)
+    overhead_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        return {"calls": self.calls, "calls_per_s": self.calls / self.wall_s,
+                "latency_p50_ms": statistics.median(self.latency_ms),
+                "overhead_p50_ms": statistics.median(self.overhead_ms),
+                "overhead_p99_ms": float(np.percentile(self.overhead_ms, 99)),
+                "cpu_per_call_ms": 1e3 * self.cpu_s / self.calls}
+
+
+def _prompt(i: int) -> list[int]:
+    return [1, 464, 207, 918, 971, 34, 276, 74 + i % 50, 75, 207, 2, 207, 1, 580, 207]
+
+
+async def _raw_trajectory(session: aiohttp.ClientSession, url: str, i: int, turns: int, level: Level) -> None:
+    prompt = _prompt(i)
+    for turn in range(turns):
+        start = time.perf_counter()
+        body = json.dumps({"request_id": f"raw-{i}-{turn}", "token_ids": prompt, "stream": False,
+                           "sampling_params": {"max_tokens": MAX_TOKENS, "logprobs": 0, "detokenize": False}}).encode()
+        sent = time.perf_counter()
+        async with session.post(url, data=body, headers={"Content-Type": "application/json",
+                                                         "Authorization": f"Bearer {API_KEY}"}) as resp:
+            raw = await resp.read()
+        received = time.perf_counter()
+        choice = json.loads(raw)["choices"][0]
+        ids = choice["token_ids"]
+        [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        end = time.perf_counter()
+        level.latency_ms.append(1e3 * (end - start))
+        level.overhead_ms.append(1e3 * ((sent - start) + (end - received)))
+        prompt = prompt + ids + OBSERVATION
+
+
+async def _pool_trajectory(pool: ServerPool, i: int, turns: int, level: Level,
+                           record: list[tuple[list[int], Any]] | None) -> None:
+    prompt = _prompt(i)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    for _ in range(turns):
+        start = time.perf_counter()
+        result = await pool.generate(prompt, params, trajectory_id=f"traj-{i}", timeout_s=120)
+        end = time.perf_counter()
+        level.latency_ms.append(1e3 * (end - start))
+        level.overhead_ms.append(1e3 * ((end - start) - result.http_s))
+        if record is not None:
+            record.append((prompt, result))
+        prompt = prompt + result.token_ids.tolist() + OBSERVATION
+    pool.release_trajectory(f"traj-{i}")
+
+
+async def _measure(concurrency: int, turns: int, run_one: Any) -> Level:
+    level = Level(concurrency)
+    cpu, wall = time.process_time(), time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for i in range(concurrency):
+            tg.create_task(run_one(i, turns, level))
+    level.wall_s = time.perf_counter() - wall
+    level.cpu_s = time.process_time() - cpu
+    level.calls = len(level.latency_ms)
+    return level
+
+
+async def _start_server() -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rolloutd.daemon.policy.server", "--port", "0", "--log-level", "WARNING",
+        stdout=asyncio.subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    async with asyncio.timeout(60):
+        line = (await proc.stdout.readline()).decode().strip()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise SystemExit(f"policy server did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+async def bench(quick: bool) -> dict[str, Any]:
+    turns = {1: 40, 32: 6, 256: 2} if quick else {1: 200, 32: 20, 256: 6}
+    proc, url = await _start_server()
+    results: dict[str, Any] = {"levels": {}}
+    record: list[tuple[list[int], Any]] = []
+    try:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        async with aiohttp.ClientSession(connector=connector) as session, \
+                await ServerPool.create(["vllm-generate+" + url], api_key=API_KEY) as pool:
+            raw_url = url + "/inference/v1/generate"
+
+            def raw_run(i: int, n: int, level: Level) -> Any:
+                return _raw_trajectory(session, raw_url, i, n, level)
+
+            def pool_run(i: int, n: int, level: Level) -> Any:
+                return _pool_trajectory(pool, i, n, level, record)
+
+            await _measure(256, 1, raw_run)  # warm-up: connections, server batches, caches
+            await _measure(256, 1, pool_run)
+            record.clear()
+            for c in LEVELS:
+                raw = await _measure(c, turns[c], raw_run)
+                pooled = await _measure(c, turns[c], pool_run)
+                results["levels"][c] = {"raw": raw.summary(), "pool": pooled.summary()}
+    finally:
+        proc.terminate()
+        await proc.wait()
+    model = default_model()
+    diffs = [float(np.abs(model.token_logprobs(p, r.token_ids) - r.logprobs).max())
+             for p, r in record if len(r.token_ids)]
+    results["fidelity_max_abs_diff"] = max(diffs)
+    results["fidelity_tokens_checked"] = int(sum(len(r.token_ids) for _, r in record))
+    results["pool_overhead_p50_ms_256"] = results["levels"][256]["pool"]["overhead_p50_ms"]
+    results["raw_overhead_p50_ms_256"] = results["levels"][256]["raw"]["overhead_p50_ms"]
+    results["target_overhead_ms"] = TARGET_MS
+    results["meets_target"] = results["pool_overhead_p50_ms_256"] <= TARGET_MS
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    head = (f"{'trajectories':>12} {'path':>5} {'calls':>6} {'calls/s':>9} {'latency p50':>12} "
+            f"{'overhead p50':>13} {'overhead p99':>13} {'client CPU/call':>16}")
+    units = f"{'':>12} {'':>5} {'':>6} {'(1/s)':>9} {'(ms)':>12} {'(ms)':>13} {'(ms)':>13} {'(ms)':>16}"
+    print(head)
+    print(units)
+    for c, row in results["levels"].items():
+        for path in ("raw", "pool"):
+            s = row[path]
+            print(f"{c:>12} {path:>5} {s['calls']:>6} {s['calls_per_s']:>9.0f} {s['latency_p50_ms']:>12.2f} "
+                  f"{s['overhead_p50_ms']:>13.3f} {s['overhead_p99_ms']:>13.3f} {s['cpu_per_call_ms']:>16.3f}")
+        extra = row["pool"]["overhead_p50_ms"] - row["raw"]["overhead_p50_ms"]
+        ratio = row["pool"]["calls_per_s"] / row["raw"]["calls_per_s"]
+        print(f"{'':>12} pool - raw overhead p50: {extra:+.3f} ms/call; pool/raw calls/s: {ratio:.2f}x")
+    print(f"pool overhead p50 at 256 trajectories: {results['pool_overhead_p50_ms_256']:.3f} ms/call "
+          f"(target <= {TARGET_MS} ms: {'met' if results['meets_target'] else 'NOT met'})")
+    print(f"fidelity: max |recomputed - returned| logprob = {results['fidelity_max_abs_diff']:.2e} nats over "
+          f"{results['fidelity_tokens_checked']} tokens (limit 1e-5)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls (well under 40 s)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+        loop_factory: Any = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    started = time.perf_counter()
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        results = runner.run(bench(args.quick))
+    results["bench_s"] = time.perf_counter() - started
+    print_table(results)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if results["fidelity_max_abs_diff"] <= 1e-5 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""The one interface every inference backend speaks: token ids in, token ids and log-probs out.
+
+A backend never decodes or re-encodes: the ids it returns are the ids the server sampled, each
+with the server's log-probability for it. A response that breaks that promise (ids without
+log-probabilities, fewer log-probabilities than ids, an unknown finish reason, more tokens than
+``max_tokens``) raises :class:`InferenceProtocolError` in :func:`checked_result`; it is never
+shortened or padded to fit.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+from collections.abc import Sequence
+
+import numpy as np
+
+from rolloutd.native_io.errors import ConfigError, InferenceProtocolError
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+PAUSE_MODES = frozenset({"keep", "abort", "wait"})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    """Upper bound on generated tokens; always sent explicitly (old vLLM builds default to 16)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) keeps the whole vocabulary."""
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra ids that end the turn, besides the model's own end-of-turn tokens."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-turn tokens (until max_tokens or stop_token_ids)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further sampling fields passed through to the server as they are (e.g. ``min_p``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        ids = tuple(self.stop_token_ids)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    def wire_fields(self, *, max_key: str, seed_key: str) -> dict[str, Any]:
+        """The sampling fields as a server's JSON names them (vLLM: ``max_tokens``/``seed``,
+        SGLang: ``max_new_tokens``/``sampling_seed``); unset options are left out."""
+        fields: dict[str, Any] = {max_key: self.max_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.seed is not None:
+            fields[seed_key] = self.seed
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            fields["ignore_eos"] = True
+        fields.update(self.extra)
+        return fields
+
+
+@dataclass
+class GenerateResult:
+    token_ids: np.ndarray
+    """int32, the generated ids exactly as the server sampled them (a stop token included)."""
+    logprobs: np.ndarray
+    """float32, the server's log-probability of each generated id (same length as token_ids)."""
+    finish_reason: str
+    """``stop``, ``length`` or ``abort``."""
+    weight_version: str
+    """The server's weight version; "" when the protocol does not report one (the pool fills in
+    the version it recorded)."""
+    server: str
+    """Address of the server that produced the tokens."""
+    request_id: str = ""
+    http_s: float = 0.0
+    """Seconds from sending the request to having the whole answer, as the client saw it; the
+    rest of a call's time is the client's own overhead."""
+
+
+class InferenceBackend(ABC):
+    """One inference server (or in-process engine)."""
+
+    address: str
+    """Stable name of the server, e.g. ``http://127.0.0.1:8000``."""
+    kind: str
+    """``vllm-generate``, ``vllm-completions``, ``sglang`` or ``vllm-inprocess``."""
+
+    @abstractmethod
+    async def generate(self, prompt_ids: Sequence[int] | np.ndarray, params: SamplingParams, *,
+                       request_id: str, timeout_s: float) -> GenerateResult:
+        """Generate one turn. Raises InferenceTimeout past ``timeout_s`` (and aborts the request
+        on the server), InferenceRejected when the server refuses the request itself,
+        InferenceProtocolError for answers that break the protocol, InferenceError when the
+        server fails. Cancelling the call aborts the request on the server."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Ask the server to stop a request (best effort; the request may already be done)."""
+
+    @abstractmethod
+    async def health(self) -> bool:
+        """True when the server answers its health probe in time."""
+
+    @abstractmethod
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop generating. ``keep`` freezes in-flight requests until :meth:`resume`; ``abort``
+        ends them with finish reason ``abort``; ``wait`` lets them finish first."""
+
+    @abstractmethod
+    async def resume(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params: SamplingParams,
+                   server: str, what: str, weight_version: str = "", request_id: str = "",
+                   http_s: float = 0.0) -> GenerateResult:
+    """Validate a server's answer and convert it to arrays; ``what`` names the response field
+    for the error message (e.g. ``choices[0].token_ids``)."""
+    if not isinstance(token_ids, list):
+        raise InferenceProtocolError(f"{server} answered without token ids ({what}); "
+                                     "is it an inference server speaking this protocol?")
+    if not isinstance(logprobs, list):
+        raise InferenceProtocolError(
+            f"{server} returned {len(token_ids)} token ids without log-probabilities ({what}); "
+            "rolloutd needs one log-probability per generated token (logprobs=0 was requested)")
+    if len(logprobs) != len(token_ids):
+        raise InferenceProtocolError(
+            f"{server} returned {len(token_ids)} token ids but {len(logprobs)} log-probabilities "
+            f"({what}); refusing a trajectory whose tokens and log-probabilities do not line up")
+    missing = next((i for i, lp in enumerate(logprobs) if lp is None), None)
+    if missing is not None:
+        raise InferenceProtocolError(f"{server} returned no log-probability for generated token "
+                                     f"{missing} of {len(token_ids)} ({what})")
+    if finish_reason not in FINISH_REASONS:
+        raise InferenceProtocolError(f"{server} gave finish reason {finish_reason!r} ({what}); "
+                                     f"expected one of {sorted(FINISH_REASONS)}")
+    if len(token_ids) > params.max_tokens:
+        raise InferenceProtocolError(f"{server} returned {len(token_ids)} tokens for max_tokens="
+                                     f"{params.max_tokens} ({what})")
+    try:
+        ids = np.array(token_ids, dtype=np.int64)
+        lps = np.array(logprobs, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InferenceProtocolError(f"{server} returned ids or log-probabilities that are not "
+                                     f"numbers ({what}): {e}") from e
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        raise InferenceProtocolError(f"{server} returned token ids outside [0, 2^31) ({what})")
+    if lps.size and not (np.isfinite(lps).all() and lps.max() <= 1e-6):
+        raise InferenceProtocolError(f"{server} returned log-probabilities that are not finite "
+                                     f"values <= 0 ({what})")
+    return GenerateResult(token_ids=ids.astype(np.int32), logprobs=lps.astype(np.float32),
+                          finish_reason=finish_reason, weight_version=weight_version,
+                          server=server, request_id=request_id, http_s=http_s)

@@ -1,0 +1,202 @@
+"""What the vLLM and SGLang HTTP backends share: one keep-alive aiohttp session per server,
+deadlines, aborts on cancel or timeout, and turning every way a server can fail into an error
+that names the server and says what went wrong.
+
+How failures map (the pool retries the InferenceError ones on another server):
+- connection refused or reset, HTTP 5xx, 408, 429  -> InferenceError
+- an answer that is not the documented JSON (truncated, missing fields), HTTP 404 -> InferenceProtocolError
+- HTTP 401/403 and other 4xx (the request itself is wrong) -> InferenceRejected
+- no whole answer before the deadline                  -> InferenceTimeout (request aborted on the server)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from abc import abstractmethod
+from typing import Any
+from collections.abc import Sequence
+
+import aiohttp
+import numpy as np
+
+from rolloutd.daemon.inference.base import InferenceBackend
+from rolloutd.native_io.errors import (
+    InferenceError,
+    InferenceProtocolError,
+    InferenceRejected,
+    InferenceTimeout,
+)
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE_4XX = frozenset({408, 429})
+
+
+class HTTPBackend(InferenceBackend):
+    def __init__(self, base_url: str, *, api_key: str | None = None, connect_timeout_s: float = 5.0,
+                 control_timeout_s: float = 30.0, health_timeout_s: float = 2.0,
+                 max_connections: int = 0) -> None:
+        """``max_connections`` 0 means unlimited: every in-flight turn holds one connection."""
+        self.address = base_url.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._connect_timeout_s = connect_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._health_timeout_s = health_timeout_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+                                             keepalive_timeout=60.0)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s))
+        return self._session
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _generate_json(self, path: str, payload: dict[str, Any], *, timeout_s: float,
+                             request_id: str, prompt_key: str) -> tuple[dict[str, Any], float]:
+        """POST a generation request (``payload[prompt_key]`` holds the prompt ids); returns the
+        parsed answer and the seconds it took."""
+        body = _encode(payload, prompt_key)
+        url = self.address + path
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._client().post(url, data=body, headers=self._headers) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+        except aiohttp.ClientError as e:
+            raise InferenceError(f"{self.address}: {path} failed ({type(e).__name__}: {e}); "
+                                 "the server may be down or restarting") from e
+        except TimeoutError as e:
+            self._abort_in_background(request_id)
+            raise InferenceTimeout(f"{self.address} gave no whole answer to request {request_id} within "
+                                   f"{timeout_s:.1f}s; the request was aborted there. Raise the "
+                                   "turn deadline (timeout_s) if the server is just slow.") from e
+        except asyncio.CancelledError:
+            self._abort_in_background(request_id)
+            raise
+        http_s = time.perf_counter() - started
+        self._check_status(status, raw, path)
+        return self._parse(raw, path), http_s
+
+    def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            tail = raw[-80:].decode("utf-8", "replace")
+            raise InferenceProtocolError(f"{self.address}: the answer of {path} is not valid JSON "
+                                         f"({len(raw)} bytes, truncated? ends with {tail!r}): {e}") from e
+        if not isinstance(obj, dict):
+            raise InferenceProtocolError(f"{self.address}: the answer of {path} is not a JSON object")
+        return obj
+
+    def _check_status(self, status: int, raw: bytes, path: str) -> None:
+        if status == 200:
+            return
+        detail = _error_message(raw)
+        if status in (401, 403):
+            raise InferenceRejected(f"{self.address} refused our credentials on {path} (HTTP {status}: "
+                                    f"{detail}); pass the server's --api-key as the backend's api_key")
+        if status == 404:
+            raise InferenceProtocolError(f"{self.address} has no route {path} (HTTP 404); "
+                                         f"{self._missing_route_hint(path)}")
+        if 400 <= status < 500 and status not in _RETRYABLE_4XX:
+            raise InferenceRejected(f"{self.address} rejected the request to {path} (HTTP {status}): {detail}")
+        raise InferenceError(f"{self.address} failed on {path} with HTTP {status}: {detail}")
+
+    def _missing_route_hint(self, path: str) -> str:
+        return "check that the address points at the right kind of server"
+
+    def _abort_in_background(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id)
+        except (InferenceError, aiohttp.ClientError, OSError) as e:
+            # Closing the connection already makes vLLM and SGLang drop the request.
+            logger.debug("abort of %s on %s failed: %s", request_id, self.address, e)
+
+    # --- control -----------------------------------------------------------------------------
+
+    async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None,
+                       params: dict[str, str] | None = None) -> dict[str, Any]:
+        url = self.address + path
+        try:
+            async with asyncio.timeout(self._control_timeout_s):
+                async with self._client().request(method, url, json=payload, params=params,
+                                                  headers=self._headers) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+        except aiohttp.ClientError as e:
+            raise InferenceError(f"{self.address}: {method} {path} failed ({type(e).__name__}: {e})") from e
+        except TimeoutError as e:
+            raise InferenceTimeout(f"{self.address} did not answer {method} {path} within "
+                                   f"{self._control_timeout_s}s (control_timeout_s)") from e
+        self._check_status(status, raw, path)
+        return self._parse(raw, path) if raw.strip() else {}
+
+    async def health(self) -> bool:
+        try:
+            async with asyncio.timeout(self._health_timeout_s):
+                async with self._client().get(self.address + "/health", headers=self._headers) as resp:
+                    await resp.read()
+                    return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._control_timeout_s)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+
+def prompt_list(prompt_ids: Sequence[int] | np.ndarray) -> list[int]:
+    """Prompt ids as a list for the JSON body. A list is passed as it is (copying a long prompt
+    on every turn would dominate the client's cost); a list holding numpy integers is converted
+    when encoding fails (see :meth:`HTTPBackend._generate_json`)."""
+    if isinstance(prompt_ids, list):
+        return prompt_ids
+    if isinstance(prompt_ids, np.ndarray):
+        return prompt_ids.tolist()
+    return [int(t) for t in prompt_ids]
+
+
+def _encode(payload: dict[str, Any], prompt_key: str | None) -> bytes:
+    try:
+        return json.dumps(payload).encode()
+    except TypeError:
+        if prompt_key is None:
+            raise
+        payload[prompt_key] = [int(t) for t in payload[prompt_key]]
+        return json.dumps(payload).encode()
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return raw[:300].decode("utf-8", "replace") or "(empty body)"
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        for candidate in (obj.get("message"), err.get("message") if isinstance(err, dict) else err,
+                          obj.get("detail")):
+            if candidate:
+                return str(candidate)[:500]
+    return str(obj)[:300]

@@ -1,0 +1,336 @@
+"""A pool of inference servers of any kind behind one ``generate``.
+
+Routing: a trajectory's turns stay on the server that served its first turn (so the server's
+prefix cache holds its history); a new trajectory goes to the healthy server with the fewest
+calls in flight. Servers are added and removed at run time, and a background health check takes
+failing servers out and puts recovered ones back.
+
+Failures: when a server fails a call (connection lost, HTTP 5xx, an answer that breaks the
+protocol) it is taken out and the WHOLE turn starts again on another server: partial output is
+never spliced, so the tokens returned are always one server's uninterrupted sample. A deadline
+covers all attempts; cancelling a call aborts it on the server.
+
+Weight updates: :meth:`pause_all` pauses every server (vLLM ``/pause?mode=keep``, SGLang
+``/pause_generation``) and holds new calls in the pool; :meth:`resume_all` resumes them. Every
+result carries a weight version: the server's own where the protocol reports one (SGLang),
+otherwise the version last given to :meth:`set_weight_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+from collections.abc import Sequence
+
+import numpy as np
+
+from rolloutd.daemon.inference.base import GenerateResult, InferenceBackend, SamplingParams
+from rolloutd.daemon.inference.factory import make_backend
+from rolloutd.native_io.errors import (
+    ConfigError,
+    InferenceError,
+    InferenceRejected,
+    InferenceTimeout,
+    NoInferenceServer,
+    NotFound,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Server:
+    backend: InferenceBackend
+    healthy: bool = True
+    removed: bool = False
+    in_flight: int = 0
+    dispatched: int = 0
+    completed: int = 0
+    failures: int = 0
+    last_error: str = ""
+    weight_version: str = ""
+    calls: dict[str, asyncio.Task[object]] = field(default_factory=dict)
+    """Request id -> the task waiting on it (cancelled to move the turn when the server goes)."""
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return self.backend.address
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.removed
+
+
+class ServerPool:
+    def __init__(self, *, api_key: str | None = None, max_attempts: int = 3, health_interval_s: float = 5.0,
+                 weight_version: str = "0", max_sticky: int = 100_000,
+                 http_options: dict[str, Any] | None = None) -> None:
+        """``health_interval_s`` 0 turns the background health check off (:meth:`check_health`
+        still works); ``max_sticky`` bounds how many trajectories the pool remembers."""
+        if max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
+        self._api_key = api_key
+        self._max_attempts = max_attempts
+        self._health_interval_s = health_interval_s
+        self._weight_version = weight_version
+        self._max_sticky = max_sticky
+        self._http_options = http_options or {}
+        self._servers: dict[str, _Server] = {}
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._moving: set[asyncio.Task[object]] = set()
+        self._health_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(cls, specs: Sequence[str | InferenceBackend], **options: Any) -> ServerPool:
+        pool = cls(**options)
+        try:
+            for spec in specs:
+                await pool.add_server(spec)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def __aenter__(self) -> ServerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- membership --------------------------------------------------------------------------
+
+    async def add_server(self, spec: str | InferenceBackend) -> str:
+        """Add a server (a spec for :func:`make_backend`, or a backend); returns its address."""
+        backend = spec if isinstance(spec, InferenceBackend) else await make_backend(
+            spec, api_key=self._api_key, **self._http_options)
+        if backend.address in self._servers:
+            if backend is not self._servers[backend.address].backend:
+                await backend.close()
+            raise ConfigError(f"{backend.address} is already in the pool")
+        server = _Server(backend=backend)
+        server.idle.set()
+        self._servers[backend.address] = server
+        if self._health_task is None and self._health_interval_s > 0:
+            self._health_task = asyncio.create_task(self._health_loop(), name="inference-health")
+        logger.info("added %s server %s (%d in the pool)", backend.kind, backend.address, len(self._servers))
+        return backend.address
+
+    async def remove_server(self, address: str, *, drain_timeout_s: float = 0.0) -> None:
+        """Stop sending calls to ``address``; calls still running there after
+        ``drain_timeout_s`` are cancelled and started again on other servers; then close it."""
+        server = self._servers.get(address)
+        if server is None:
+            raise NotFound(f"{address} is not in the pool (servers: {sorted(self._servers)})")
+        server.removed = True
+        for tid in [t for t, a in self._sticky.items() if a == address]:
+            del self._sticky[tid]
+        if server.in_flight and drain_timeout_s > 0:
+            try:
+                async with asyncio.timeout(drain_timeout_s):
+                    await server.idle.wait()
+            except TimeoutError:
+                logger.info("%s still has %d calls after %.1fs of draining; moving them", address,
+                            server.in_flight, drain_timeout_s)
+        for task in server.calls.values():
+            self._moving.add(task)
+            task.cancel(f"rolloutd: inference server {address} was removed from the pool")
+        if server.in_flight:
+            try:
+                async with asyncio.timeout(10.0):
+                    await server.idle.wait()
+            except TimeoutError:
+                logger.warning("%d calls on removed server %s did not stop within 10s", server.in_flight, address)
+        del self._servers[address]
+        await server.backend.close()
+        logger.info("removed %s (%d servers left)", address, len(self._servers))
+
+    def release_trajectory(self, trajectory_id: str) -> None:
+        """Forget which server a finished trajectory used."""
+        self._sticky.pop(trajectory_id, None)
+
+    # --- generation --------------------------------------------------------------------------
+
+    def _choose(self, trajectory_id: str) -> _Server | None:
+        address = self._sticky.get(trajectory_id)
+        if address is not None:
+            server = self._servers.get(address)
+            if server is not None and server.usable:
+                return server
+        best: _Server | None = None
+        for server in self._servers.values():
+            # Fewest calls in flight; ties go to the server that got fewer calls so far.
+            if server.usable and (best is None or (server.in_flight, server.dispatched)
+                                  < (best.in_flight, best.dispatched)):
+                best = server
+        if best is not None:
+            self._sticky[trajectory_id] = best.address
+            if len(self._sticky) > self._max_sticky:
+                self._sticky.popitem(last=False)
+        return best
+
+    async def generate(self, prompt_ids: Sequence[int] | np.ndarray, params: SamplingParams, *,
+                       trajectory_id: str, timeout_s: float, request_id: str | None = None) -> GenerateResult:
+        """One turn of ``trajectory_id``; ``timeout_s`` is the deadline for all attempts."""
+        loop = asyncio.get_running_loop()
+        current = asyncio.current_task()
+        assert current is not None
+        deadline = loop.time() + timeout_s
+        base_id = request_id or f"{trajectory_id}-{uuid.uuid4().hex[:12]}"
+        if not self._resumed.is_set():
+            await self._wait_resumed(deadline, base_id)
+        failures: list[InferenceError] = []
+        attempt = 0
+        # Failed attempts count against max_attempts; turns moved off a removed server do not.
+        while len(failures) < self._max_attempts:
+            server = self._choose(trajectory_id)
+            if server is None:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise InferenceTimeout(f"turn {base_id} ran out of its {timeout_s:.1f}s deadline after "
+                                       f"{attempt} attempt(s); raise timeout_s")
+            rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
+            attempt += 1
+            server.calls[rid] = current
+            server.in_flight += 1
+            server.dispatched += 1
+            server.idle.clear()
+            try:
+                # Awaited in this task (no extra task per call): remove_server cancels this task
+                # and the handler below tells its cancel from the caller's by _moving/uncancel.
+                result = await server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining)
+            except asyncio.CancelledError:
+                if current in self._moving and current.uncancel() == 0:
+                    logger.info("turn %s moved off removed server %s", rid, server.address)
+                    self._sticky.pop(trajectory_id, None)
+                    continue
+                raise
+            except (InferenceTimeout, InferenceRejected):
+                raise
+            except InferenceError as e:
+                self._take_out(server, e)
+                self._sticky.pop(trajectory_id, None)
+                failures.append(e)
+                continue
+            finally:
+                self._moving.discard(current)
+                del server.calls[rid]
+                server.in_flight -= 1
+                if server.in_flight == 0:
+                    server.idle.set()
+            if result.weight_version:
+                server.weight_version = result.weight_version
+            else:
+                result.weight_version = self._weight_version
+            server.completed += 1
+            return result
+        if failures:
+            last = failures[-1]
+            why = "no other healthy server was left" if len(failures) < self._max_attempts else \
+                f"max_attempts={self._max_attempts} was reached"
+            last.add_note(f"rolloutd pool: turn {base_id} failed on {len(failures)} server(s) "
+                          f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}); {why}")
+            raise last
+        raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
+                                f"(pool: {self._describe()}); add servers or wait for the health check")
+
+    async def _wait_resumed(self, deadline: float, base_id: str) -> None:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._resumed.wait()
+        except TimeoutError as e:
+            raise InferenceTimeout(f"turn {base_id} waited for the paused pool (weight update) past its "
+                                   "deadline; raise timeout_s or resume the pool sooner") from e
+
+    def _take_out(self, server: _Server, error: InferenceError) -> None:
+        server.healthy = False
+        server.failures += 1
+        server.last_error = str(error)
+        logger.warning("taking %s out of the pool: %s", server.address, error)
+
+    def _describe(self) -> str:
+        if not self._servers:
+            return "empty"
+        return ", ".join(f"{s.address} {'ok' if s.usable else 'out'}"
+                         f"{': ' + s.last_error[:120] if s.last_error else ''}" for s in self._servers.values())
+
+    # --- weights and control -----------------------------------------------------------------
+
+    def set_weight_version(self, version: str) -> None:
+        """The version recorded for results from servers whose protocol reports none."""
+        self._weight_version = str(version)
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def pause_all(self, mode: str = "keep") -> None:
+        """Pause every server; new calls wait in the pool until :meth:`resume_all`."""
+        self._resumed.clear()
+        await self._on_all("pause", lambda s: s.backend.pause(mode))
+
+    async def resume_all(self) -> None:
+        await self._on_all("resume", lambda s: s.backend.resume())
+        self._resumed.set()
+
+    async def _on_all(self, what: str, call: Any) -> None:
+        servers = [s for s in self._servers.values() if not s.removed]
+        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
+        errors = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
+        for server, error in errors:
+            if not isinstance(error, InferenceError):
+                raise error
+            self._take_out(server, error)
+        if errors:
+            raise InferenceError(f"{what} failed on {len(errors)} of {len(servers)} server(s) (taken out): "
+                                 + "; ".join(f"{s.address}: {e}" for s, e in errors))
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server once: failing ones go out, recovered ones come back."""
+        servers = [s for s in self._servers.values() if not s.removed]
+        results = await asyncio.gather(*(s.backend.health() for s in servers))
+        for server, ok in zip(servers, results):
+            if ok and not server.healthy:
+                logger.info("%s passed its health check; back in the pool", server.address)
+            elif not ok and server.healthy:
+                server.last_error = "health check failed"
+                logger.warning("%s failed its health check; taken out of the pool", server.address)
+            server.healthy = ok
+        return {s.address: s.healthy for s in servers}
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await self.check_health()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "paused": self.paused,
+            "weight_version": self._weight_version,
+            "sticky_trajectories": len(self._sticky),
+            "servers": [{
+                "address": s.address, "kind": s.backend.kind, "healthy": s.healthy, "removed": s.removed,
+                "in_flight": s.in_flight, "dispatched": s.dispatched, "completed": s.completed,
+                "failures": s.failures, "last_error": s.last_error, "weight_version": s.weight_version,
+            } for s in self._servers.values()],
+        }
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        servers = list(self._servers.values())
+        self._servers.clear()
+        await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)
