@@ -91,6 +91,9 @@ class MakeArraysArgs:
 
     n_tokens: int
     n_trajectories: int = 1
+    encoding: Literal["native", "msgpack", "pickle"] = "native"
+    """``native``: shared memory or raw frames. The others are baselines for the bench: arrays
+    as msgpack lists inside the header, or one pickled frame."""
 
 
 OPS: dict[str, type] = {

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    sub.add_parser("policy-server", help="the reference CPU policy over vLLM/SGLang HTTP routes (see --help)")
+
     _add_node_parser(sub)
 
     demo = sub.add_parser("demo", help="the main job: a demo batch on the bundled tasks")
@@ -110,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["policy-server"]:
+        # Its own parser owns every flag, --help included.
+        from .policy.server import main as policy_main
+
+        return policy_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
+import pickle
 import signal
 import sys
 import time
@@ -190,12 +192,24 @@ class Worker:
 
     async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         per = max(1, args.n_tokens // max(1, args.n_trajectories))
-        arrays = {}
-        for i in range(args.n_trajectories):
-            arrays[f"{i}.response_ids"] = np.arange(per, dtype=np.int32) + i
-            arrays[f"{i}.response_logprobs"] = np.full(per, -0.5, dtype=np.float32)
-            arrays[f"{i}.response_mask"] = np.ones(per, dtype=np.uint8)
-        return {"n_trajectories": args.n_trajectories, "tokens_each": per}, arrays
+        arrays = _synthetic_batch(per, args.n_trajectories)
+        result: dict[str, Any] = {"n_trajectories": args.n_trajectories, "tokens_each": per}
+        if args.encoding == "msgpack":
+            return {**result, "embedded": {k: v.tolist() for k, v in arrays.items()}}, {}
+        if args.encoding == "pickle":
+            return result, {"pickle": np.frombuffer(pickle.dumps(arrays, protocol=5), dtype=np.uint8)}
+        return result, arrays
+
+
+@functools.lru_cache(maxsize=4)
+def _synthetic_batch(per: int, n: int) -> dict[str, np.ndarray]:
+    """Finished-looking trajectories, built once: the benches measure transfer, not generation."""
+    arrays = {}
+    for i in range(n):
+        arrays[f"{i}.response_ids"] = np.arange(per, dtype=np.int32) + i
+        arrays[f"{i}.response_logprobs"] = np.full(per, -0.5, dtype=np.float32)
+        arrays[f"{i}.response_mask"] = np.ones(per, dtype=np.uint8)
+    return arrays
 
 
 def _plain(details: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
+
 from rolloutd.native_io.errors import SandboxStartError
 
 from .base import RUN_DIR_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
@@ -111,13 +113,17 @@ class ApptainerSandbox(Sandbox):
         try:
             await asyncio.wait_for(proc.wait(), self.backend.start_timeout_s)
         except BaseException as e:
-            # Timed out or cancelled half-way: the instance may still come up after we leave,
-            # so stop the start command and whatever it already launched.
+            # Timed out or cancelled half-way: the instance may still come up after we leave.
+            # A cancelled start is allowed to finish (it takes a fraction of a second) so that
+            # its pidfile names what to stop; a timed-out one is killed and searched for.
+            if not isinstance(e, TimeoutError):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), self.backend.start_timeout_s)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await asyncio.shield(proc.wait())
             text = pid_file.read_text().strip() if pid_file.exists() else ""
-            self.init_pid = int(text) if text.isdigit() else None
+            self.init_pid = int(text) if text.isdigit() else self._find_init_pid()
             await asyncio.shield(self.stop())
             if isinstance(e, TimeoutError):
                 raise SandboxStartError(
@@ -136,6 +142,16 @@ class ApptainerSandbox(Sandbox):
         self.init_pid = int(pid_text)
         with contextlib.suppress(OSError):
             self._pidns = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
+
+    def _find_init_pid(self) -> int | None:
+        """The instance's init, found by the name Apptainer gives its parent process."""
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info.get("cmdline") or [])
+            if cmd.startswith("Apptainer instance:") and f"[{self.instance_name}]" in cmd:
+                with contextlib.suppress(psutil.Error):
+                    children = proc.children()
+                    return children[0].pid if children else proc.pid
+        return None
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
         # The instance is registered under the daemon's own config dir, which exec must see too.
