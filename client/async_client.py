@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class AsyncRolloutClient:
         self._sock: LoopSocket | None = None
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._held_segments: set[str] = set()
+        # Unique ids without a uuid4 per call: a random prefix per client and a counter.
+        self._id_prefix = uuid.uuid4().hex[:16] + "-"
+        self._ids = itertools.count()
 
     async def connect(self) -> "AsyncRolloutClient":
         if self._sock is not None:
@@ -133,22 +137,24 @@ class AsyncRolloutClient:
                       request_id: str | None = None) -> Reply:
         if self._sock is None:
             await self.connect()
-        rid = request_id or uuid.uuid4().hex
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        rid = request_id or f"{self._id_prefix}{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Reply] = loop.create_future()
         self._waiters[rid] = fut
         self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport})
         limit = self.timeout_s if timeout_s is None else timeout_s
+        # A bare timer on the future: asyncio.wait_for would wrap every call in a task.
+        timer = loop.call_later(limit, _expire, fut)
         try:
-            return await asyncio.wait_for(fut, limit)
-        except TimeoutError:
-            if fut.done():
-                raise  # the daemon's own answer was a timeout error (e.g. CommandTimeout)
+            return await fut
+        except _Expired:
             await self.cancel(rid)
             raise OperationTimeout(f"{op} got no answer within {limit} s (timeout_s); it was cancelled") from None
         except asyncio.CancelledError:
             await self.cancel(rid)
             raise
         finally:
+            timer.cancel()
             self._waiters.pop(rid, None)
 
     async def cancel(self, request_id: str) -> None:
@@ -169,6 +175,15 @@ class AsyncRolloutClient:
         args = to_fields(SandboxOpenArgs(**kwargs))
         reply = await self.request("sandbox.open", args, timeout_s=args["timeout_s"] + 10)
         return AsyncSandbox(self, reply.result)
+
+
+class _Expired(Exception):
+    pass
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 class AsyncSandbox:

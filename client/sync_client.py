@@ -83,6 +83,6 @@ class Sandbox:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    import uvloop
-
-    return uvloop.new_event_loop()
+    # The stock loop, not uvloop: its run_until_complete costs ~20 us against ~60 us, and a
+    # blocking client enters the loop once per call.
+    return asyncio.new_event_loop()

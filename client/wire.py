@@ -30,7 +30,7 @@ class MsgType(IntEnum):
     CANCEL = 4
     """client -> daemon: cancel ``id`` (its final answer then says CANCELLED)."""
     RELEASE = 5
-    """client -> daemon: ``segments`` are no longer needed (no answer)."""
+    """client -> daemon, then supervisor -> worker: ``segments`` are no longer needed (no answer)."""
     STARTED = 16
     """worker -> supervisor: execution of ``id`` began (it will not be re-dispatched)."""
     HELLO = 17

@@ -292,9 +292,7 @@ class Supervisor:
         p = self.pending.get(rid)
         if p is None or p.worker != w.index:
             # A late answer for a request already answered (e.g. WORKER_LOST): drop it, and its arrays.
-            for ref in header.get("refs", []):
-                if ref[3]:
-                    shm.unlink(ref[3])
+            self._return_segments([ref[3] for ref in header.get("refs", []) if ref[3]])
             return
         if msg_type == MsgType.REPLY:
             result = header.get("result") or {}
@@ -438,11 +436,33 @@ class Supervisor:
     def _release(self, client: bytes, names: Any) -> None:
         if not isinstance(names, list):
             return
+        mine = [n for n in names if isinstance(n, str) and n in self.segments and self.segments[n].client == client]
+        for name in mine:
+            del self.segments[name]
+        self._return_segments(mine)
+
+    def _return_segments(self, names: list[str]) -> None:
+        """Hand segments back to the worker arena that made them; unlink those of a dead worker."""
+        by_worker: dict[int, list[str]] = {}
         for name in names:
-            seg = self.segments.get(name) if isinstance(name, str) else None
-            if seg is not None and seg.client == client:
-                del self.segments[name]
+            owner = name[len(self.shm_prefix):].split("-", 1)[0] if name.startswith(self.shm_prefix) else ""
+            w = None
+            if owner.startswith("w") and "g" in owner:
+                index, _, gen = owner[1:].partition("g")
+                w = self.workers.get(int(index)) if index.isdigit() else None
+                if w is not None and not (w.ready and gen.isdigit() and int(gen) == w.generation):
+                    w = None
+            if w is None:
                 shm.unlink(name)
+            else:
+                by_worker.setdefault(w.index, []).append(name)
+        assert self.to_workers is not None
+        for index, group in by_worker.items():
+            try:
+                self.to_workers.send([self.workers[index].identity, *framing.encode(MsgType.RELEASE, {"segments": group})])
+            except zmq.ZMQError:
+                for name in group:
+                    shm.unlink(name)
 
     def _answer_error(self, rid: str, e: RolloutdError) -> None:
         p = self.pending.get(rid)
@@ -489,7 +509,7 @@ class Supervisor:
                     seg.orphaned_at = seg.orphaned_at or now
                     if now - seg.orphaned_at >= self.config.shm_lease_timeout_s:
                         del self.segments[name]
-                        shm.unlink(name)
+                        self._return_segments([name])
                         self.counters["segments_reclaimed"] += 1
             for sid, pid in list(self.sandbox_client.items()):
                 if pid is not None and not _pid_alive(pid) and sid in self.sandbox_owner:

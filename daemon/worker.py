@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import pickle
@@ -70,8 +69,7 @@ class Worker:
             max_age_s=config.sandbox_max_age_s,
         )
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self._segment_ids = itertools.count()
-        self.segment_prefix = f"rld{os.getuid()}-{os.getppid()}-w{index}g{generation}-"
+        self.arena = shm.SegmentArena(f"rld{os.getuid()}-{os.getppid()}-w{index}g{generation}-")
         self.handlers: dict[str, Handler] = {
             "sandbox.open": self._sandbox_open,
             "sandbox.run": self._sandbox_run,
@@ -111,6 +109,7 @@ class Worker:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         await self.pool.close()
         await self.backend.close()
+        self.arena.close()
         if self.sock is not None:
             self.sock.close(linger_ms=1000)
         self.ctx.term()
@@ -119,10 +118,13 @@ class Worker:
         try:
             msg_type, header, buffers = framing.decode(
                 frames, max_bytes=self.config.max_message_bytes,
-                known_types=frozenset({MsgType.REQUEST, MsgType.CANCEL}),
+                known_types=frozenset({MsgType.REQUEST, MsgType.CANCEL, MsgType.RELEASE}),
             )
         except RolloutdError:
             log.exception("worker %d: undecodable message from the supervisor", self.index)
+            return
+        if msg_type == MsgType.RELEASE:
+            self.arena.free(header.get("segments", []))
             return
         rid = header.get("id", "")
         if msg_type == MsgType.CANCEL:
@@ -144,7 +146,7 @@ class Worker:
             bufs: list[Any] = []
             if arrays:
                 if header.get("arrays") == "shm":
-                    refs = shm.write_segment(f"{self.segment_prefix}{next(self._segment_ids)}", arrays)
+                    refs = self.arena.write(arrays)
                 else:
                     refs, bufs = framing.arrays_to_frames(arrays)
             self.send(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]}, bufs)
@@ -162,8 +164,9 @@ class Worker:
     async def _stats_loop(self) -> None:
         proc = psutil.Process()
         while True:
+            self.arena.trim()
             stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks), "rss_bytes": proc.memory_info().rss,
-                     "pid": os.getpid()}
+                     "pid": os.getpid(), "shm_arena": self.arena.stats()}
             for extra in self.extra_stats:
                 stats.update(extra())
             self.send(MsgType.STATS, {"index": self.index, "stats": stats})
@@ -203,13 +206,17 @@ class Worker:
 
 @functools.lru_cache(maxsize=4)
 def _synthetic_batch(per: int, n: int) -> dict[str, np.ndarray]:
-    """Finished-looking trajectories, built once: the benches measure transfer, not generation."""
-    arrays = {}
-    for i in range(n):
-        arrays[f"{i}.response_ids"] = np.arange(per, dtype=np.int32) + i
-        arrays[f"{i}.response_logprobs"] = np.full(per, -0.5, dtype=np.float32)
-        arrays[f"{i}.response_mask"] = np.ones(per, dtype=np.uint8)
-    return arrays
+    """A finished-looking ragged batch, built once: the benches measure transfer, not generation.
+
+    Same layout as rollout results: one concatenated array per field plus ``offsets`` (n + 1).
+    """
+    ids = np.concatenate([np.arange(per, dtype=np.int32) + i for i in range(n)])
+    return {
+        "response_ids": ids,
+        "response_logprobs": np.full(per * n, -0.5, dtype=np.float32),
+        "response_mask": np.ones(per * n, dtype=np.uint8),
+        "offsets": np.arange(0, per * (n + 1), per, dtype=np.int64),
+    }
 
 
 def _plain(details: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ rollouts: the message vocabulary is in ``rolloutd.client.wire``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ import numpy as np
 from .errors import BadRequest, MessageTooLarge, UnsupportedVersion
 
 PROTOCOL_VERSION = 1
-ALLOWED_DTYPES = frozenset({"int32", "int64", "uint8", "float32", "float64", "bool"})
+_ITEMSIZE = {"int32": 4, "int64": 8, "uint8": 1, "float32": 4, "float64": 8, "bool": 1}
+ALLOWED_DTYPES = frozenset(_ITEMSIZE)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class ArrayRef:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

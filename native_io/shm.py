@@ -4,20 +4,24 @@ Layout of one segment (one per reply)::
 
     +---------+---------+-----+---------+
     | array 0 | array 1 | ... | array n |     each array starts at a 64-byte aligned offset;
-    +---------+---------+-----+---------+     the header of the reply names key/dtype/shape/offset
+    +---------+---------+-----+---------+     the reply's header names key/dtype/shape/offset
 
-Lifecycle: the writer (a worker) creates and fills the segment, then forgets it; the supervisor
-owns its name from then on and unlinks it when the reader releases it, when the reader process
-is gone past its lease, or at shutdown. A reader's mapping survives the unlink, so the memory
-is freed when both happened. Segments are opened as plain files under /dev/shm, not through
-``multiprocessing.shared_memory``: Python's resource tracker would otherwise unlink, at reader
-exit, segments the reader does not own.
+Lifecycle: a worker's :class:`SegmentArena` fills a segment and hands its name out in a reply.
+The supervisor tracks it while a client holds it. When the client releases it (or its process
+is gone past the lease), the segment goes back to the worker's arena and is refilled by a later
+reply: rewriting pages that already exist costs a memcpy, while fresh tmpfs pages cost a fault
+each (half the time of a 9 MB transfer here). So ``release`` means "done with these arrays".
+Idle segments beyond the arena's cap are unlinked, and everything is unlinked at shutdown.
+
+Segments are opened as plain files under /dev/shm, not through ``multiprocessing.shared_memory``:
+Python's resource tracker would otherwise unlink, at reader exit, segments the reader does not own.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,6 +32,8 @@ from .framing import ArrayRef
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64
+IOV_BATCH = 512
+_ZEROS = bytes(ALIGN)
 
 
 def _check_name(name: str) -> str:
@@ -36,58 +42,118 @@ def _check_name(name: str) -> str:
     return name
 
 
-def write_segment(name: str, arrays: dict[str, np.ndarray]) -> list[ArrayRef]:
-    """Create segment ``name`` (mode 0600, must not exist) holding ``arrays``; returns descriptors."""
-    _check_name(name)
-    refs, offset = [], 0
-    prepared = []
-    for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        refs.append(ArrayRef(key, arr.dtype.name, tuple(arr.shape), name, offset))
-        prepared.append((offset, arr))
-        offset += (arr.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    size = max(offset, 1)
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as mm:
-            for off, arr in prepared:
-                if arr.nbytes:
-                    np.frombuffer(mm, dtype=np.uint8, count=arr.nbytes, offset=off)[:] = arr.view(np.uint8).reshape(-1)
-    except BaseException:
-        os.unlink(SHM_DIR / name)
-        raise
-    finally:
-        os.close(fd)
-    return refs
+class SegmentArena:
+    """A worker's segments: written with ``pwritev`` (no user page faults), reused after release."""
+
+    def __init__(self, prefix: str, *, max_free_bytes: int = 1 << 30, max_idle_s: float = 60.0) -> None:
+        self.prefix = prefix
+        self.max_free_bytes = max_free_bytes
+        self.max_idle_s = max_idle_s
+        self._count = 0
+        self._capacity: dict[str, int] = {}
+        self._free: dict[str, float] = {}
+        """Free segment -> when it was freed."""
+
+    def write(self, arrays: dict[str, np.ndarray]) -> list[ArrayRef]:
+        refs, chunks, offset = [], [], 0
+        for key, arr in arrays.items():
+            arr = np.ascontiguousarray(arr)
+            pad = -arr.nbytes % ALIGN
+            chunks.append(memoryview(arr).cast("B"))
+            if pad:
+                chunks.append(_ZEROS[:pad])
+            refs.append((key, arr, offset))
+            offset += arr.nbytes + pad
+        name = self._take(max(offset, ALIGN))
+        fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            pos = 0
+            for i in range(0, len(chunks), IOV_BATCH):
+                pos += os.pwritev(fd, chunks[i : i + IOV_BATCH], pos)
+        finally:
+            os.close(fd)
+        return [ArrayRef(key, arr.dtype.name, tuple(arr.shape), name, off) for key, arr, off in refs]
+
+    def _take(self, size: int) -> str:
+        fitting = [n for n in self._free if self._capacity[n] >= size]
+        if fitting:
+            name = min(fitting, key=lambda n: self._capacity[n])
+            del self._free[name]
+            return name
+        name = f"{self.prefix}{self._count}"
+        self._count += 1
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._capacity[name] = size
+        return name
+
+    def free(self, names: Iterable[str]) -> None:
+        now = time.monotonic()
+        for name in names:
+            if name in self._capacity and name not in self._free:
+                self._free[name] = now
+        self.trim()
+
+    def trim(self) -> None:
+        """Unlink idle segments past ``max_idle_s`` and the oldest beyond ``max_free_bytes``."""
+        now = time.monotonic()
+        total = sum(self._capacity[n] for n in self._free)
+        for name, freed_at in sorted(self._free.items(), key=lambda kv: kv[1]):
+            if total <= self.max_free_bytes and now - freed_at < self.max_idle_s:
+                break
+            total -= self._capacity[name]
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self._free.pop(name, None)
+        self._capacity.pop(name, None)
+        unlink(name)
+
+    def stats(self) -> dict[str, int]:
+        return {"segments": len(self._capacity), "free": len(self._free),
+                "bytes": sum(self._capacity.values())}
+
+    def close(self) -> None:
+        for name in list(self._capacity):
+            self._drop(name)
 
 
 def map_segments(refs: Iterable[ArrayRef]) -> dict[str, np.ndarray]:
-    """Read-only numpy views over the named segments (one mapping per segment, shared by arrays)."""
-    maps: dict[str, mmap.mmap] = {}
+    """Read-only numpy views over the named segments.
+
+    One mapping per segment, with MAP_POPULATE: every page is mapped before this returns, so no
+    cost is deferred to the first read.
+    """
+    bases: dict[str, np.ndarray] = {}
     out = {}
     for ref in refs:
         assert ref.segment is not None
-        mm = maps.get(ref.segment)
-        if mm is None:
-            path = SHM_DIR / _check_name(ref.segment)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise NotFound(
-                    f"shared-memory segment {ref.segment} is gone (released, or reclaimed after the "
-                    "client's lease ran out); ask again or use frames transport"
-                ) from None
-            try:
-                size = os.fstat(fd).st_size
-                mm = maps[ref.segment] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-        if ref.offset + ref.nbytes > len(mm):
+        base = bases.get(ref.segment)
+        if base is None:
+            base = bases[ref.segment] = _map(ref.segment)
+        if ref.offset + ref.nbytes > base.size:
             raise BadRequest(f"array {ref.key!r} reaches past the end of segment {ref.segment}")
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        out[ref.key] = np.frombuffer(mm, dtype=ref.dtype, count=count, offset=ref.offset).reshape(ref.shape)
+        out[ref.key] = base[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
     return out
+
+
+def _map(name: str) -> np.ndarray:
+    try:
+        fd = os.open(SHM_DIR / _check_name(name), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(
+            f"shared-memory segment {name} is gone (released, or reclaimed after the client's lease ran "
+            "out); ask again or use the frames transport"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def unlink(name: str) -> bool:

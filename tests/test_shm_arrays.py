@@ -22,20 +22,24 @@ def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
     with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
         with RolloutClient(address) as client:
             reply = client.request("debug.make_arrays", {"n_tokens": 300_000, "n_trajectories": 3})
-            ids = reply.arrays["2.response_ids"]
-            assert ids.dtype == np.int32 and ids.shape == (100_000,)
-            assert ids[0] == 2 and ids[-1] == 100_001
-            assert reply.arrays["0.response_logprobs"].dtype == np.float32
+            ids = reply.arrays["response_ids"]
+            assert ids.dtype == np.int32 and ids.shape == (300_000,)
+            assert list(reply.arrays["offsets"]) == [0, 100_000, 200_000, 300_000]
+            assert ids[200_000] == 2 and ids[-1] == 100_001
+            assert reply.arrays["response_logprobs"].dtype == np.float32
             # A view over the mapped segment, not a copy: numpy does not own the memory.
             assert not ids.flags.owndata and not ids.flags.writeable
             (segment,) = reply.segments
             assert (SHM / segment).exists()
+            assert client.status()["shm_segments"] == 1
             client.release(reply)
+            # Released segments go back to the worker's arena and are refilled by the next reply.
             deadline = time.monotonic() + 5
-            while (SHM / segment).exists() and time.monotonic() < deadline:
-                client.status()
-            assert not (SHM / segment).exists()
-            assert ids[5] == 7  # the mapping outlives the unlink
+            while client.status()["shm_segments"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            again = client.request("debug.make_arrays", {"n_tokens": 1000, "n_trajectories": 1})
+            assert again.segments == [segment]
+            assert again.arrays["response_ids"][999] == 999
 
 
 def test_frames_transport_gives_the_same_arrays(short_tmp: Path) -> None:
@@ -70,16 +74,19 @@ def test_segments_of_a_killed_client_are_reclaimed(short_tmp: Path) -> None:
         proc.wait()
         proc.stdout.close()
         deadline = time.monotonic() + 10
-        while (SHM / segment).exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not (SHM / segment).exists(), "segment of a dead client was not reclaimed"
         with RolloutClient(address) as client:
-            assert client.status()["counters"]["segments_reclaimed"] == 1
+            while client.status()["counters"]["segments_reclaimed"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        with RolloutClient(address) as client:
+            st = client.status()
+            assert st["counters"]["segments_reclaimed"] == 1 and st["shm_segments"] == 0
 
 
 def test_reader_exit_does_not_unlink_the_writers_segment(short_tmp: Path) -> None:
-    name = f"rld-test-{os.getpid()}"
-    refs = shm.write_segment(name, {"x": np.arange(10, dtype=np.int32)})
+    arena = shm.SegmentArena(f"rld-test-{os.getpid()}-")
+    refs = arena.write({"x": np.arange(10, dtype=np.int32)})
+    name = refs[0].segment
+    assert name is not None
     try:
         code = (
             "import sys, pickle; from rolloutd.native_io import shm, framing;"
@@ -92,4 +99,5 @@ def test_reader_exit_does_not_unlink_the_writers_segment(short_tmp: Path) -> Non
         subprocess.run([sys.executable, "-c", code, arg], check=True)
         assert (SHM / name).exists(), "a reader's exit removed the segment"
     finally:
-        shm.unlink(name)
+        arena.close()
+    assert not (SHM / name).exists()
