@@ -6,6 +6,7 @@ observation tokens (mask 0, log-probability 0.0). Nothing in it was decoded and 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,3 +134,44 @@ class Trajectory:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in self.ARRAY_FIELDS}
+
+    def copy(self) -> "Trajectory":
+        """A trajectory that owns its arrays (shared-memory views become private copies)."""
+        return dataclasses.replace(self, **{name: np.array(getattr(self, name)) for name in self.ARRAY_FIELDS})
+
+
+RESPONSE_FIELDS = ("response_ids", "response_mask", "response_logprobs")
+
+
+def pack_batch(trajectories: list[Trajectory]) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """Scalars per trajectory, and the arrays of all of them as one ragged batch: each field
+    concatenated, plus ``prompt_offsets`` and ``response_offsets`` (len + 1), so a reply carries six
+    arrays whatever the number of trajectories."""
+    prompt_lens = [len(t.prompt_ids) for t in trajectories]
+    response_lens = [len(t.response_ids) for t in trajectories]
+    arrays = {
+        "prompt_ids": _concat([t.prompt_ids for t in trajectories], np.int32),
+        "prompt_offsets": np.concatenate([[0], np.cumsum(prompt_lens)]).astype(np.int64),
+        "response_offsets": np.concatenate([[0], np.cumsum(response_lens)]).astype(np.int64),
+    }
+    for name in RESPONSE_FIELDS:
+        arrays[name] = _concat([getattr(t, name) for t in trajectories], Trajectory.ARRAY_DTYPES[name])
+    return [t.scalar_fields() for t in trajectories], arrays
+
+
+def unpack_batch(scalars: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> list[Trajectory]:
+    """Trajectories whose arrays are views into ``arrays`` (no copy)."""
+    po, ro = arrays["prompt_offsets"], arrays["response_offsets"]
+    if len(po) != len(scalars) + 1 or len(ro) != len(scalars) + 1:
+        raise ValueError(f"batch offsets do not match {len(scalars)} trajectories")
+    out = []
+    for i, sc in enumerate(scalars):
+        parts = {"prompt_ids": arrays["prompt_ids"][po[i]:po[i + 1]]}
+        for name in RESPONSE_FIELDS:
+            parts[name] = arrays[name][ro[i]:ro[i + 1]]
+        out.append(Trajectory.from_parts(sc, parts))
+    return out
+
+
+def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)

@@ -50,7 +50,10 @@ class LocalSandbox(Sandbox):
         await self.remove_folders()
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
-        prefix = ["env"] + [f"{k}={v}" for k, v in (env or {}).items()]
+        # The daemon's own interpreter first on PATH: `python3` in a local sandbox is the one with
+        # the daemon's packages (pytest, ipykernel), as in the default image.
+        path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        prefix = ["env", f"PATH={path}"] + [f"{k}={v}" for k, v in (env or {}).items()]
         if cwd:
             return ["bash", "-c", 'cd "$1" && shift && exec "$@"', "bash", cwd, *prefix, *argv]
         return [*prefix, *argv]

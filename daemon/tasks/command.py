@@ -1,0 +1,55 @@
+"""``command`` tasks: a set-up script and an evaluation script whose last output line is the reward.
+
+Record fields: ``instance_id``, ``problem_statement``, ``eval_script`` (bash; its last output line
+must be a number, the reward), optional ``setup_script`` (bash, run in the working folder before
+the agent starts), ``workdir`` (default: the sandbox's workspace) and ``image``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rolloutd.native_io.errors import CommandTimeout, TaskError
+
+from .base import EvalResult, Task, TaskType, require
+
+if TYPE_CHECKING:
+    from ..sandbox.pool import Lease
+
+
+class CommandTaskType(TaskType):
+    name = "command"
+
+    def parse(self, record: dict[str, Any]) -> Task:
+        iid = require(record, "instance_id", str)
+        require(record, "eval_script", str)
+        require(record, "setup_script", str, default="")
+        require(record, "workdir", str, default="")
+        return Task(iid, self.name, require(record, "problem_statement", str, default=""),
+                    require(record, "image", str, default="default"), dict(record))
+
+    async def setup(self, task: Task, lease: "Lease", *, cache_dir: Path) -> str:
+        workdir = task.record.get("workdir") or lease.sandbox.workspace_inside
+        script = task.record.get("setup_script", "")
+        r = await lease.run(f"mkdir -p '{workdir}' && cd '{workdir}'\n{script}", timeout_s=None)
+        if r.exit_code != 0:
+            raise TaskError(f"task {task.instance_id}: setup_script failed with {r.exit_code}: {r.output[-500:]}")
+        # The agent's shell starts where the set-up left it... unless the script cd'ed away.
+        await lease.run(f"cd '{workdir}'", timeout_s=10)
+        return workdir
+
+    async def evaluate(self, task: Task, lease: "Lease", workdir: str, *, timeout_s: float) -> EvalResult:
+        try:
+            r = await lease.run(f"cd '{workdir}'\n{task.record['eval_script']}", timeout_s=timeout_s)
+        except CommandTimeout:
+            return EvalResult(0.0, {"error": f"eval_script exceeded {timeout_s} s (eval_timeout_s)"})
+        lines = r.output.strip().splitlines()
+        try:
+            reward = float(lines[-1]) if lines else float("nan")
+        except ValueError:
+            reward = float("nan")
+        if r.exit_code != 0 or reward != reward:
+            return EvalResult(0.0, {"error": f"eval_script exited {r.exit_code} without a numeric last line",
+                                    "output_tail": r.output[-500:]})
+        return EvalResult(reward, {"eval_exit_code": r.exit_code})

@@ -1,0 +1,84 @@
+"""Where task records come from: the bundled set, or a JSONL file on the node."""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from rolloutd.native_io.errors import TaskError
+
+from .base import Task, get_task_type, register_task_type
+from .command import CommandTaskType
+from .swe import SweTaskType
+
+register_task_type(SweTaskType())
+register_task_type(CommandTaskType())
+
+BUNDLED = "bundled"
+
+
+def bundled_dir() -> Path:
+    return Path(str(resources.files("rolloutd.daemon.tasks") / "bundled"))
+
+
+@functools.cache
+def _bundled_records() -> dict[str, dict[str, Any]]:
+    records = {}
+    for folder in sorted(p for p in bundled_dir().iterdir() if (p / "task.json").is_file()):
+        meta = json.loads((folder / "task.json").read_text())
+        records[meta["instance_id"]] = {
+            **meta, "type": "swe", "repo_dir": str(folder / "repo"), "eval_dir": str(folder / "eval_tests"),
+        }
+    return records
+
+
+@functools.cache
+def _jsonl_records(path: str) -> dict[str, dict[str, Any]]:
+    records = {}
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise TaskError(f"{path}:{n}: not valid JSON: {e}") from e
+                    records[str(rec.get("instance_id"))] = rec
+    except OSError as e:
+        raise TaskError(f"cannot read dataset {path}: {e}") from e
+    return records
+
+
+def dataset_records(dataset: str) -> dict[str, dict[str, Any]]:
+    if dataset == BUNDLED:
+        return _bundled_records()
+    if not dataset.endswith(".jsonl") or not Path(dataset).is_absolute():
+        raise TaskError(f"dataset {dataset!r}: use 'bundled' or an absolute path to a .jsonl file on the node")
+    return _jsonl_records(dataset)
+
+
+def resolve_task(dataset: str, instance_id: str, inline: dict[str, Any] | None) -> Task:
+    """A validated Task from an inline record, or from ``dataset`` by ``instance_id``."""
+    if inline is not None:
+        record = inline
+    else:
+        records = dataset_records(dataset or BUNDLED)
+        if instance_id not in records:
+            raise TaskError(f"dataset {dataset or BUNDLED!r} has no instance {instance_id!r}")
+        record = records[instance_id]
+    if not isinstance(record, dict):
+        raise TaskError("a task record must be a map")
+    return get_task_type(str(record.get("type", "swe"))).parse(record)
+
+
+def oracle_plans() -> dict[str, list[str]]:
+    """The bundled tasks' scripted solves, keyed by instance id (for the scripted policy)."""
+    plans = {}
+    for folder in sorted(bundled_dir().iterdir()):
+        oracle = folder / "oracle.json"
+        if oracle.is_file():
+            plans[folder.name] = json.loads(oracle.read_text())["replies"]
+    return plans

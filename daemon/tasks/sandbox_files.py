@@ -1,0 +1,58 @@
+"""Moving files into and out of a sandbox.
+
+Under the sandbox's workspace the host writes directly (the folder is bound into the container);
+anywhere else (a repository baked into the image, e.g. /testbed) files go through the shell as
+base64, which works for any image with coreutils.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shlex
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rolloutd.native_io.errors import SandboxError
+
+if TYPE_CHECKING:
+    from ..sandbox.pool import Lease
+
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+
+
+def host_path(lease: "Lease", inside: str) -> Path | None:
+    """The host path of ``inside`` when it lies in the bound workspace, else None."""
+    root = lease.sandbox.workspace_inside.rstrip("/")
+    if inside == root or inside.startswith(root + "/"):
+        return lease.sandbox.workspace / inside[len(root):].lstrip("/")
+    return None
+
+
+async def copy_tree_in(lease: "Lease", source: Path, inside: str) -> None:
+    """Copy the host folder ``source`` to ``inside`` (merged into what is there)."""
+    target = host_path(lease, inside)
+    if target is not None:
+        await asyncio.to_thread(shutil.copytree, source, target, ignore=IGNORED, dirs_exist_ok=True, symlinks=True)
+        return
+    files = [p for p in sorted(source.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    for path in files:
+        await write_file(lease, f"{inside}/{path.relative_to(source).as_posix()}", path.read_bytes())
+
+
+async def write_file(lease: "Lease", inside: str, data: bytes) -> None:
+    target = host_path(lease, inside)
+    if target is not None:
+        def write() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+        await asyncio.to_thread(write)
+        return
+    encoded = base64.b64encode(data).decode()
+    quoted = shlex.quote(inside)
+    r = await lease.run(f"mkdir -p \"$(dirname {quoted})\" && base64 -d > {quoted} <<'RLD_EOF'\n{encoded}\nRLD_EOF",
+                        timeout_s=60)
+    if r.exit_code != 0:
+        raise SandboxError(f"cannot write {inside} in sandbox {lease.id}: {r.output[-500:]}")

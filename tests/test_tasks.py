@@ -1,0 +1,96 @@
+"""Task types in real sandboxes: set-up, evaluation, reward; records validated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
+from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.tasks.base import get_task_type
+from rolloutd.daemon.tasks.datasets import bundled_dir, resolve_task
+from rolloutd.native_io.errors import TaskError
+
+
+@pytest.fixture
+async def lease(backend: SandboxBackend) -> AsyncIterator[Lease]:
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
+    yield lease
+    await lease.destroy()
+
+
+async def test_bundled_task_unsolved_gets_zero_and_solved_gets_one(lease: Lease, short_tmp: Path) -> None:
+    task = resolve_task("bundled", "paginate-003", None)
+    swe = get_task_type("swe")
+    workdir = await swe.setup(task, lease, cache_dir=short_tmp / "cache")
+    r = await lease.run("pwd && git log --oneline | wc -l && ls")
+    assert r.output.splitlines()[0] == workdir and r.output.splitlines()[1] == "1" and "paginate" in r.output
+    unsolved = await swe.evaluate(task, lease, workdir, timeout_s=120)
+    assert unsolved.reward == 0.0 and unsolved.details["failed_fail_to_pass"]
+    assert unsolved.details["failed_pass_to_pass"] == []
+    # Apply the known fix the way an agent would: inside the sandbox.
+    fixed = (bundled_dir() / "paginate-003" / "solution" / "paginate" / "pager.py").read_text()
+    await lease.run(f"cat > paginate/pager.py <<'RLD'\n{fixed}RLD")
+    solved = await swe.evaluate(task, lease, workdir, timeout_s=120)
+    assert solved.reward == 1.0, solved.details
+
+
+async def test_template_is_prepared_once_per_task(lease: Lease, short_tmp: Path) -> None:
+    task = resolve_task("bundled", "wordwrap-001", None)
+    swe = get_task_type("swe")
+    await swe.setup(task, lease, cache_dir=short_tmp / "cache")
+    template = short_tmp / "cache" / "swe" / "wordwrap-001" / "repo"
+    stamp = template.stat().st_mtime_ns
+    await swe.setup(task, lease, cache_dir=short_tmp / "cache")
+    assert template.stat().st_mtime_ns == stamp
+
+
+async def test_command_task(lease: Lease, short_tmp: Path) -> None:
+    task = resolve_task("", "", {"type": "command", "instance_id": "cmd-1", "problem_statement": "make x",
+                                 "setup_script": "echo 3 > x.txt", "eval_script": "echo ok; echo $(( $(cat x.txt) * 2 ))"})
+    cmd = get_task_type("command")
+    workdir = await cmd.setup(task, lease, cache_dir=short_tmp)
+    assert (await lease.run("cat x.txt")).output == "3\n"
+    result = await cmd.evaluate(task, lease, workdir, timeout_s=30)
+    assert result.reward == 6.0
+    bad = resolve_task("", "", {"type": "command", "instance_id": "cmd-2", "eval_script": "echo not-a-number"})
+    assert (await cmd.evaluate(bad, lease, workdir, timeout_s=30)).reward == 0.0
+
+
+def test_inline_and_jsonl_records_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(TaskError, match="FAIL_TO_PASS"):
+        resolve_task("", "", {"instance_id": "x", "problem_statement": "p", "files": {"a.py": ""}})
+    with pytest.raises(TaskError, match="exactly one of"):
+        resolve_task("", "", {"instance_id": "x", "problem_statement": "p", "FAIL_TO_PASS": ["t"]})
+    with pytest.raises(TaskError, match="unknown task type"):
+        resolve_task("", "", {"type": "nope", "instance_id": "x"})
+    with pytest.raises(TaskError, match="no instance"):
+        resolve_task("bundled", "does-not-exist", None)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"instance_id": "inline-1", "problem_statement": "p", "files": {"m.py": "X = 1\n"},
+                                "FAIL_TO_PASS": ["tests/test_m.py::test_x"]}) + "\n")
+    task = resolve_task(str(data), "inline-1", None)
+    assert task.type == "swe" and task.record["files"] == {"m.py": "X = 1\n"}
+    with pytest.raises(TaskError, match="absolute path"):
+        resolve_task("relative.jsonl", "inline-1", None)
+
+
+async def test_swe_task_from_files_with_test_patch(lease: Lease, short_tmp: Path) -> None:
+    record = {
+        "instance_id": "files-1", "problem_statement": "double() is wrong",
+        "files": {"calc.py": "def double(x):\n    return x + 1\n", "tests/__init__.py": ""},
+        "test_patch": ("--- /dev/null\n+++ b/tests/test_calc.py\n@@ -0,0 +1,4 @@\n+from calc import double\n+\n"
+                       "+def test_double():\n+    assert double(4) == 8\n"),
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_double"],
+    }
+    task = resolve_task("", "", record)
+    swe = get_task_type("swe")
+    workdir = await swe.setup(task, lease, cache_dir=short_tmp)
+    assert (await swe.evaluate(task, lease, workdir, timeout_s=60)).reward == 0.0
+    await lease.run("git checkout -q -- . && git clean -fdq && sed -i 's/x + 1/x * 2/' calc.py")
+    assert (await swe.evaluate(task, lease, workdir, timeout_s=60)).reward == 1.0
+    shutil.rmtree(short_tmp / "swe", ignore_errors=True)
