@@ -13,6 +13,7 @@ import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
 
-from .wire import ExecuteResult, MsgType, SandboxOpenArgs, to_fields
+from .trajectory import Trajectory, unpack_batch
+from .wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -36,6 +38,44 @@ def default_address() -> str:
     from rolloutd.daemon.config import default_run_dir
 
     return f"ipc://{default_run_dir() / 'node.sock'}"
+
+
+@dataclass
+class RolloutRequest:
+    """One task to roll out ``n`` times; see ``wire.RolloutArgs`` for every field's meaning."""
+
+    task_id: str = ""
+    dataset: str = "bundled"
+    task: dict[str, Any] | None = None
+    """A full inline task record instead of ``task_id``/``dataset``."""
+    n: int = 1
+    agent: str = "codeact"
+    agent_config: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 1800.0
+    init_timeout_s: float = 600.0
+    run_timeout_s: float = 1800.0
+    eval_timeout_s: float = 600.0
+    priority: int = 0
+    network: bool = False
+    ipython: bool = True
+    request_id: str | None = None
+
+    def to_args(self) -> dict[str, Any]:
+        args = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **{
+            k: getattr(self, k) for k in ("n", "agent", "agent_config", "sampling", "timeout_s", "init_timeout_s",
+                                          "run_timeout_s", "eval_timeout_s", "priority", "network", "ipython")}))
+        return args
+
+
+@dataclass
+class RolloutResult:
+    request_id: str
+    trajectories: list[Trajectory]
+    error: RolloutdError | None = None
+    """Set when the whole request was refused or failed (e.g. BUSY, an unknown task)."""
+    reply: "Reply | None" = None
+    """The raw reply: pass the result to ``release`` once the arrays are no longer needed."""
 
 
 @dataclass
@@ -56,6 +96,7 @@ class AsyncRolloutClient:
         self._ctx: zmq.Context[Any] | None = None
         self._sock: LoopSocket | None = None
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._rollouts: dict[str, asyncio.Future[Reply]] = {}
         self._held_segments: set[str] = set()
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
         self._id_prefix = uuid.uuid4().hex[:16] + "-"
@@ -135,16 +176,21 @@ class AsyncRolloutClient:
 
     async def request(self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
                       request_id: str | None = None) -> Reply:
+        rid, fut = await self._start(op, args, request_id)
+        return await self._wait(op, rid, fut, self.timeout_s if timeout_s is None else timeout_s)
+
+    async def _start(self, op: str, args: dict[str, Any] | None, request_id: str | None) -> tuple[str, asyncio.Future[Reply]]:
         if self._sock is None:
             await self.connect()
         rid = request_id or f"{self._id_prefix}{next(self._ids)}"
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Reply] = loop.create_future()
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport})
-        limit = self.timeout_s if timeout_s is None else timeout_s
+        return rid, fut
+
+    async def _wait(self, op: str, rid: str, fut: asyncio.Future[Reply], limit: float) -> Reply:
         # A bare timer on the future: asyncio.wait_for would wrap every call in a task.
-        timer = loop.call_later(limit, _expire, fut)
+        timer = asyncio.get_running_loop().call_later(limit, _expire, fut)
         try:
             return await fut
         except _Expired:
@@ -157,12 +203,58 @@ class AsyncRolloutClient:
             timer.cancel()
             self._waiters.pop(rid, None)
 
+    # --- rollouts ----------------------------------------------------------------------------
+
+    async def submit(self, requests: list[RolloutRequest]) -> list[str]:
+        """Send rollout requests without waiting; returns their ids (answers come in any order)."""
+        ids = []
+        for req in requests:
+            rid, fut = await self._start("rollout", req.to_args(), req.request_id)
+            self._rollouts[rid] = fut
+            ids.append(rid)
+        return ids
+
+    async def as_completed(self, ids: list[str], *, timeout_s: float | None = None) -> AsyncIterator[RolloutResult]:
+        """Results in completion order; a request that failed yields a result with ``error`` set."""
+        futs = {self._rollouts[rid]: rid for rid in ids}
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        pending = set(futs)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                for fut in pending:
+                    await self.cancel(futs[fut])
+                raise OperationTimeout(f"{len(pending)} rollouts did not finish within {timeout_s} s (timeout_s); "
+                                       "they were cancelled")
+            for fut in done:
+                yield self._result(futs[fut], fut)
+
+    async def results(self, ids: list[str], *, timeout_s: float | None = None) -> dict[str, RolloutResult]:
+        return {r.request_id: r async for r in self.as_completed(ids, timeout_s=timeout_s)}
+
+    def _result(self, rid: str, fut: asyncio.Future[Reply]) -> RolloutResult:
+        self._rollouts.pop(rid, None)
+        self._waiters.pop(rid, None)
+        exc = fut.exception()
+        if exc is not None:
+            if not isinstance(exc, RolloutdError):
+                raise exc
+            return RolloutResult(rid, [], error=exc)
+        reply = fut.result()
+        return RolloutResult(rid, unpack_batch(reply.result["trajectories"], reply.arrays), reply=reply)
+
     async def cancel(self, request_id: str) -> None:
         if self._sock is not None:
             self._send(MsgType.CANCEL, {"id": request_id})
 
-    async def release(self, reply: Reply) -> None:
-        """Tell the daemon the reply's shared memory can go (mapped arrays stay valid here)."""
+    async def release(self, reply: "Reply | RolloutResult") -> None:
+        """Done with the reply's arrays: their shared memory goes back to the daemon for reuse, so
+        copy anything you keep first."""
+        if isinstance(reply, RolloutResult):
+            if reply.reply is None:
+                return
+            reply = reply.reply
         if reply.segments:
             self._send(MsgType.RELEASE, {"segments": reply.segments})
             self._held_segments.difference_update(reply.segments)

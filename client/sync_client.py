@@ -7,12 +7,12 @@ One ``RolloutClient`` per thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from rolloutd.native_io.pty_session import CommandResult
 
-from .async_client import AsyncRolloutClient, AsyncSandbox, Reply
+from .async_client import AsyncRolloutClient, AsyncSandbox, Reply, RolloutRequest, RolloutResult
 from .wire import ExecuteResult
 
 T = TypeVar("T")
@@ -49,11 +49,28 @@ class RolloutClient:
     def request(self, op: str, args: dict[str, Any] | None = None, **kwargs: Any) -> Reply:
         return self._run(self._async.request(op, args, **kwargs))
 
-    def release(self, reply: Reply) -> None:
+    def release(self, reply: Reply | RolloutResult) -> None:
         self._run(self._async.release(reply))
 
     def status(self, **kwargs: Any) -> dict[str, Any]:
         return self._run(self._async.status(**kwargs))
+
+    def submit(self, requests: list[RolloutRequest]) -> list[str]:
+        return self._run(self._async.submit(requests))
+
+    def as_completed(self, ids: list[str], *, timeout_s: float | None = None) -> Iterator[RolloutResult]:
+        agen = self._async.as_completed(ids, timeout_s=timeout_s)
+        while True:
+            try:
+                yield self._run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def results(self, ids: list[str], *, timeout_s: float | None = None) -> dict[str, RolloutResult]:
+        return self._run(self._async.results(ids, timeout_s=timeout_s))
+
+    def cancel(self, request_id: str) -> None:
+        self._run(self._async.cancel(request_id))
 
     def open_sandbox(self, **kwargs: Any) -> "Sandbox":
         return Sandbox(self, self._run(self._async.open_sandbox(**kwargs)))

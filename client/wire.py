@@ -96,6 +96,37 @@ class MakeArraysArgs:
     as msgpack lists inside the header, or one pickled frame."""
 
 
+@dataclass
+class TaskRef:
+    """Which task to roll out: ``inline`` (a full record), or ``instance_id`` from ``dataset``."""
+
+    instance_id: str = ""
+    dataset: str = "bundled"
+    """``bundled`` or an absolute path to a JSONL file on the node."""
+    inline: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutArgs:
+    task: TaskRef
+    n: int = 1
+    """Samples of this task; each gets its own sandbox, all share the task's prepared set-up."""
+    agent: str = "codeact"
+    agent_config: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Per-turn sampling params: max_tokens, temperature, top_p, top_k, seed (sample i uses seed + i)."""
+    timeout_s: float = 1800.0
+    """Stage time a sample may use in total (queue waits are not counted)."""
+    init_timeout_s: float = 600.0
+    run_timeout_s: float = 1800.0
+    eval_timeout_s: float = 600.0
+    priority: int = 0
+    """Higher goes first in every stage queue."""
+    network: bool = False
+    """Network inside the sandboxes (off by default)."""
+    ipython: bool = True
+
+
 OPS: dict[str, type] = {
     "status": StatusArgs,
     "sandbox.open": SandboxOpenArgs,
@@ -103,6 +134,7 @@ OPS: dict[str, type] = {
     "sandbox.ipython": SandboxIPythonArgs,
     "sandbox.close": SandboxCloseArgs,
     "debug.make_arrays": MakeArraysArgs,
+    "rollout": RolloutArgs,
 }
 """Ops a node answers. The rollout pipeline registers its own (see ``register_op``)."""
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return asyncio.run(run_demo(args))
+    return run_demo(args)
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the main job: a demo batch on the bundled tasks")
     demo.add_argument("--backend", choices=["auto", "apptainer", "local"], default="auto")
+    demo.add_argument("--n", type=int, default=2, help="samples per task")
+    demo.add_argument("--tasks", type=int, default=0, help="only the first N bundled tasks (0 = all)")
+    demo.add_argument("--warm", type=int, default=4, help="warm sandboxes per worker")
+    demo.add_argument("--out", help="output folder (default out/demo-<time>)")
+    demo.add_argument("--timeout-s", type=float, default=1800.0)
     demo.set_defaults(func=_cmd_demo)
 
     image = sub.add_parser("image", help="sandbox images")

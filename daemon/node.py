@@ -128,7 +128,7 @@ def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
     if pid is not None:
         for name in shm.list_segments(f"rld{os.getuid()}-{pid}-"):
             shm.unlink(name)
-    for path in (config.socket_path, config.run_path / "workers.sock"):
+    for path in (config.socket_path,):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 

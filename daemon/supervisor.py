@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from rolloutd.native_io.errors import (
     ShuttingDown,
     WorkerLost,
 )
+from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
@@ -61,10 +63,12 @@ class WorkerHandle:
     in_flight: set[str] = field(default_factory=set)
     stats: dict[str, Any] = field(default_factory=dict)
     restart_delay_s: float = 0.5
+    link: UnixLink | None = None
 
-    @property
-    def identity(self) -> bytes:
-        return f"w{self.index}".encode()
+    def send(self, frames: list[Any]) -> None:
+        if self.link is None or self.link.closed:
+            raise ConnectionError(f"worker {self.index} is not connected")
+        self.link.send(frames)
 
 
 @dataclass
@@ -99,7 +103,6 @@ class Supervisor:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.public: LoopSocket | None = None
         self.tcp: LoopSocket | None = None
-        self.to_workers: LoopSocket | None = None
         self.workers = {i: WorkerHandle(i, restart_delay_s=config.worker_restart_delay_s)
                         for i in range(config.worker_count)}
         self.pending: dict[str, Pending] = {}
@@ -128,9 +131,6 @@ class Supervisor:
     async def serve(self, ready: asyncio.Event | None = None) -> None:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
-        worker_sock = make_socket(self.ctx, zmq.ROUTER, router_mandatory=True)
-        bind_private_ipc(worker_sock, self.run_dir / "workers.sock")
-        self.to_workers = LoopSocket(worker_sock, self._on_worker_message)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -195,13 +195,12 @@ class Supervisor:
     def _cleanup_files(self) -> None:
         for name in shm.list_segments(self.shm_prefix):
             shm.unlink(name)
-        for sock in (self.public, self.to_workers, self.tcp):
+        for sock in (self.public, self.tcp):
             if sock is not None:
                 sock.close(linger_ms=200)
         self.ctx.term()
-        for path in (self.config.socket_path, self.run_dir / "workers.sock"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket_path.unlink()
         shutil.rmtree(self.run_dir / "workers", ignore_errors=True)
 
     # --- workers ---------------------------------------------------------------------------
@@ -216,14 +215,20 @@ class Supervisor:
             state = self._worker_state(w.index)
             await asyncio.to_thread(reap_state_dir, state)
             state.mkdir(mode=0o700, parents=True, exist_ok=True)
-            w.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rolloutd.daemon.worker", "--index", str(w.index),
-                "--generation", str(w.generation), "--endpoint", f"ipc://{self.run_dir / 'workers.sock'}",
-                "--state-dir", str(state), env=env, stdin=asyncio.subprocess.DEVNULL,
-            )
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                w.proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "rolloutd.daemon.worker", "--index", str(w.index),
+                    "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
+                    "--state-dir", str(state), env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                )
+            finally:
+                theirs.close()
+            w.link = UnixLink(ours, lambda frames, w=w: self._on_worker_message(w, frames))
             started = time.monotonic()
             code = await w.proc.wait()
             w.ready = False
+            w.link.close()
             if self.stopping:
                 return
             log.error("worker %d (pid %d) exited with %s; restarting", w.index, w.proc.pid, code)
@@ -264,14 +269,12 @@ class Supervisor:
         live = [w for w in self.workers.values() if w.ready]
         return min(live, key=lambda w: len(w.in_flight)) if live else None
 
-    def _on_worker_message(self, frames: list[Any]) -> None:
-        wid, rest = frames[0].bytes, frames[1:]
+    def _on_worker_message(self, w: WorkerHandle, rest: list[Any]) -> None:
         try:
             msg_type, header, buffers = framing.decode(rest, max_bytes=1 << 62, known_types=WORKER_TYPES)
         except RolloutdError:
-            log.exception("undecodable message from worker %r", wid)
+            log.exception("undecodable message from worker %d", w.index)
             return
-        w = self.workers[int(wid[1:])]
         if msg_type == MsgType.HELLO:
             w.ready = True
             log.info("worker %d ready (pid %s)", w.index, header.get("pid"))
@@ -399,12 +402,11 @@ class Supervisor:
             self._dispatch(p, w)
 
     def _dispatch(self, p: Pending, w: WorkerHandle) -> None:
-        assert self.to_workers is not None
         p.worker = w.index
         w.in_flight.add(p.rid)
         try:
-            self.to_workers.send([w.identity, *p.frames])
-        except zmq.ZMQError:
+            w.send(p.frames)
+        except ConnectionError:
             # The worker's pipe is gone: it is dying; its exit handler re-dispatches.
             log.warning("could not hand %s to worker %d", p.rid, w.index)
 
@@ -429,9 +431,8 @@ class Supervisor:
                 self.queued.remove(rid)
             self._answer_error(rid, Cancelled(f"request {rid} was cancelled before it started"))
             return
-        assert self.to_workers is not None
-        with contextlib.suppress(zmq.ZMQError):
-            self.to_workers.send([self.workers[p.worker].identity, *framing.encode(MsgType.CANCEL, {"id": rid})])
+        with contextlib.suppress(ConnectionError):
+            self.workers[p.worker].send(framing.encode(MsgType.CANCEL, {"id": rid}))
 
     def _release(self, client: bytes, names: Any) -> None:
         if not isinstance(names, list):
@@ -456,11 +457,10 @@ class Supervisor:
                 shm.unlink(name)
             else:
                 by_worker.setdefault(w.index, []).append(name)
-        assert self.to_workers is not None
         for index, group in by_worker.items():
             try:
-                self.to_workers.send([self.workers[index].identity, *framing.encode(MsgType.RELEASE, {"segments": group})])
-            except zmq.ZMQError:
+                self.workers[index].send(framing.encode(MsgType.RELEASE, {"segments": group}))
+            except ConnectionError:
                 for name in group:
                     shm.unlink(name)
 
@@ -479,8 +479,8 @@ class Supervisor:
         is_error = frames[0] == bytes((MsgType.ERROR,)) or (
             hasattr(frames[0], "bytes") and frames[0].bytes == bytes((MsgType.ERROR,)))
         self.counters["errors" if is_error else "replies"] += 1
-        size = sum(len(f) if isinstance(f, (bytes, bytearray)) else len(f.buffer) for f in frames)
-        keep = [f if isinstance(f, bytes) else f.bytes for f in frames] if size <= CACHE_REPLY_MAX_BYTES else None
+        size = sum(_nbytes(f) for f in frames)
+        keep = [bytes(f) if not hasattr(f, "bytes") else f.bytes for f in frames] if size <= CACHE_REPLY_MAX_BYTES else None
         self.completed[p.rid] = (time.monotonic(), keep)
         self._send(p.socket, p.client, frames)
 
@@ -542,6 +542,12 @@ class Supervisor:
 
 class _Stopped(Exception):
     pass
+
+
+def _nbytes(frame: Any) -> int:
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    return len(frame) if isinstance(frame, (bytes, bytearray)) else len(frame.buffer)
 
 
 def _pid_alive(pid: int) -> bool:

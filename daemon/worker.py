@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -24,12 +25,13 @@ from typing import Any
 import numpy as np
 import psutil
 import uvloop
-import zmq
 
+from rolloutd.client.trajectory import pack_batch
 from rolloutd.client.wire import (
     MakeArraysArgs,
     PINNED_OPS,
     MsgType,
+    RolloutArgs,
     SandboxCloseArgs,
     SandboxIPythonArgs,
     SandboxOpenArgs,
@@ -39,10 +41,11 @@ from rolloutd.client.wire import (
 )
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import Cancelled, RolloutdError
-from rolloutd.native_io.zmq_loop import LoopSocket
-from rolloutd.native_io.zmq_sockets import make_socket
+from rolloutd.native_io.unix_link import UnixLink
 
 from .config import NodeConfig
+from .pipeline.rollout import PipelineLimits, RolloutPipeline
+
 from .sandbox.base import SandboxBackend, SandboxSpec
 from .sandbox.pool import WarmPool
 from .sandbox.select import make_backend
@@ -53,14 +56,13 @@ Handler = Callable[[Any, dict[str, Any]], Awaitable[tuple[dict[str, Any], dict[s
 
 
 class Worker:
-    def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, endpoint: str) -> None:
+    def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, link_fd: int) -> None:
         self.config = config
         self.index = index
         self.generation = generation
         self.state_dir = state_dir
-        self.endpoint = endpoint
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock: LoopSocket | None = None
+        self.link_fd = link_fd
+        self.link: UnixLink | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
         self.default_spec = SandboxSpec(image=config.image, ipython=config.warm_ipython)
         self.pool = WarmPool(
@@ -76,22 +78,39 @@ class Worker:
             "sandbox.ipython": self._sandbox_ipython,
             "sandbox.close": self._sandbox_close,
             "debug.make_arrays": self._make_arrays,
+            "rollout": self._rollout,
         }
+        self.pipeline: RolloutPipeline | None = None
         self.extra_stats: list[Callable[[], dict[str, Any]]] = []
 
     # --- plumbing --------------------------------------------------------------------------
 
     def send(self, msg_type: MsgType, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
-        assert self.sock is not None
-        self.sock.send(framing.encode(msg_type, header, buffers))
+        assert self.link is not None
+        if not self.link.closed:  # the supervisor is gone; PDEATHSIG stops us
+            self.link.send(framing.encode(msg_type, header, buffers))
+
+    async def _start_pipeline(self) -> None:
+        from .inference import ServerPool
+        from .policy.tokenizer import load_tokenizer
+
+        cfg = self.config
+        share = max(1, cfg.worker_count)
+        # Node-wide stage limits are split between the workers (each runs its own pipeline).
+        limits = PipelineLimits(init=-(-cfg.init_concurrency // share), run=-(-cfg.run_concurrency // share),
+                                eval=-(-cfg.eval_concurrency // share), queue=-(-cfg.queue_limit // share))
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
+        inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None)
+        self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
+                                        cache_dir=self.state_dir / "task-cache", image=cfg.image)
+        self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
 
     async def serve(self) -> None:
-        sock = make_socket(self.ctx, zmq.DEALER, identity=f"w{self.index}".encode())
-        sock.connect(self.endpoint)
-        self.sock = LoopSocket(sock, self._on_message)
-        await self.pool.start()
-        self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation})
         stopping = asyncio.Event()
+        self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=stopping.set)
+        await self.pool.start()
+        await self._start_pipeline()
+        self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation})
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
@@ -107,12 +126,13 @@ class Worker:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.pipeline is not None:
+            await self.pipeline.inference.close()
         await self.pool.close()
         await self.backend.close()
         self.arena.close()
-        if self.sock is not None:
-            self.sock.close(linger_ms=1000)
-        self.ctx.term()
+        if self.link is not None:
+            self.link.close()
 
     def _on_message(self, frames: list[Any]) -> None:
         try:
@@ -137,7 +157,9 @@ class Worker:
         task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
 
     async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any]) -> None:
-        if header.get("op") not in PINNED_OPS:  # pinned ops are never re-dispatched anyway
+        # Pinned ops are never re-dispatched anyway; a rollout is "started" only once a sample enters
+        # its first stage, so rollouts still queued here are re-dispatched if this worker dies.
+        if header.get("op") not in PINNED_OPS and header.get("op") != "rollout":
             self.send(MsgType.STARTED, {"id": rid})
         try:
             args = parse_args(header.get("op"), header.get("args"))
@@ -193,6 +215,13 @@ class Worker:
         await self.pool.release(self.pool.get(args.sandbox_id))
         return {"closed": args.sandbox_id}, {}
 
+    async def _rollout(self, args: RolloutArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        assert self.pipeline is not None
+        rid = header["id"]
+        trajectories = await self.pipeline.run_request(rid, args, on_start=lambda: self.send(MsgType.STARTED, {"id": rid}))
+        scalars, arrays = pack_batch(trajectories)
+        return {"trajectories": scalars}, arrays
+
     async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         per = max(1, args.n_tokens // max(1, args.n_trajectories))
         arrays = _synthetic_batch(per, args.n_trajectories)
@@ -231,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="rolloutd worker (started by the node supervisor)")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--generation", type=int, required=True)
-    p.add_argument("--endpoint", required=True)
+    p.add_argument("--link-fd", type=int, required=True, help="the supervisor's end of a socketpair")
     p.add_argument("--state-dir", type=Path, required=True)
     args = p.parse_args(argv)
     config = NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
@@ -241,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    worker = Worker(config, args.index, args.generation, args.state_dir, args.endpoint)
+    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd)
     t0 = time.monotonic()
     uvloop.run(worker.serve())
     log.info("worker %d stopped after %.1f s", args.index, time.monotonic() - t0)

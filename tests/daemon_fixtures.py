@@ -53,7 +53,6 @@ def assert_daemon_gone(run_dir: Path, pid: int, timeout_s: float = 10.0) -> None
     else:
         raise AssertionError(f"daemon processes still alive: {[p.cmdline() for p in alive]}")
     assert not (run_dir / "node.sock").exists(), "public socket left behind"
-    assert not (run_dir / "workers.sock").exists(), "worker socket left behind"
     assert shm.list_segments(f"rld{os.getuid()}-{pid}-") == [], "shared-memory segments left behind"
     leftovers = [p for p in psutil.process_iter(["cwd", "cmdline"])
                  if str(run_dir) in " ".join(p.info.get("cmdline") or []) + (p.info.get("cwd") or "")]

@@ -1,0 +1,139 @@
+"""A message link over one Unix stream socket, driven from the event loop.
+
+Used between the supervisor and each worker (a socketpair made at spawn). Compared with a ZeroMQ
+ipc socket it saves the two I/O-thread hand-offs per message: a send is one ``sendmsg`` that
+wakes the peer's event loop directly. On a machine with few cores that halves the context
+switches of a request, which is most of its latency.
+
+Message encoding: ``<u32 frame count><u64 length>... <frame bytes>...``; frames are sent with
+scatter-gather, so large array frames are not joined into one buffer on the sending side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_COUNT = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+MAX_IOV = 1024
+READ_CHUNK = 1 << 20
+
+
+class UnixLink:
+    def __init__(self, sock: socket.socket, on_message: Callable[[list[memoryview]], None],
+                 on_close: Callable[[], None] | None = None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.on_message = on_message
+        self.on_close = on_close
+        self.loop = loop or asyncio.get_running_loop()
+        self._rbuf = bytearray()
+        self._pending: deque[memoryview] = deque()
+        self._writing = False
+        self.closed = False
+        self.loop.add_reader(sock.fileno(), self._on_readable)
+
+    # --- sending -----------------------------------------------------------------------------
+
+    def send(self, frames: list[Any]) -> None:
+        if self.closed:
+            raise ConnectionError("link closed")
+        views = [memoryview(f if isinstance(f, (bytes, bytearray, memoryview)) else f.buffer).cast("B")
+                 for f in frames]
+        head = _COUNT.pack(len(views)) + b"".join(_LEN.pack(len(v)) for v in views)
+        self._pending.append(memoryview(head))
+        self._pending.extend(v for v in views if len(v))
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._pending:
+            batch = [self._pending[i] for i in range(min(MAX_IOV, len(self._pending)))]
+            try:
+                sent = self.sock.sendmsg(batch)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._close()
+                return
+            while sent and self._pending:
+                head = self._pending[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    self._pending.popleft()
+                else:
+                    self._pending[0] = head[sent:]
+                    sent = 0
+            if self._pending and not sent:
+                break
+        want_write = bool(self._pending)
+        if want_write and not self._writing:
+            self.loop.add_writer(self.sock.fileno(), self._flush)
+        elif not want_write and self._writing:
+            self.loop.remove_writer(self.sock.fileno())
+        self._writing = want_write
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        try:
+            chunk = self.sock.recv(READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close()
+            return
+        self._rbuf += chunk
+        self._parse()
+
+    def _parse(self) -> None:
+        buf = self._rbuf
+        pos = 0
+        while True:
+            if len(buf) - pos < _COUNT.size:
+                break
+            (count,) = _COUNT.unpack_from(buf, pos)
+            lens_end = pos + _COUNT.size + count * _LEN.size
+            if len(buf) < lens_end:
+                break
+            lengths = [_LEN.unpack_from(buf, pos + _COUNT.size + i * _LEN.size)[0] for i in range(count)]
+            end = lens_end + sum(lengths)
+            if len(buf) < end:
+                break
+            # Frames are copied out of the read buffer once (it is reused for the next messages).
+            data = bytes(buf[lens_end:end])
+            view, frames, off = memoryview(data), [], 0
+            for n in lengths:
+                frames.append(view[off : off + n])
+                off += n
+            pos = end
+            try:
+                self.on_message(frames)
+            except Exception:
+                log.exception("error handling a message")
+        if pos:
+            del buf[:pos]
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.remove_reader(self.sock.fileno())
+        if self._writing:
+            self.loop.remove_writer(self.sock.fileno())
+        self.sock.close()
+        if self.on_close is not None:
+            self.on_close()
+
+    def close(self) -> None:
+        self._close()

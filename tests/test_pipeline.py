@@ -1,0 +1,178 @@
+"""The rollout pipeline in-process over real sandboxes: stage limits, overlap, time-outs, cancel,
+BUSY, n samples, and end-to-end token fidelity with the reference policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rolloutd.client.trajectory import Trajectory
+from rolloutd.client.wire import RolloutArgs, TaskRef
+from rolloutd.daemon.inference import ServerPool
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.policy.model import default_model
+from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.daemon.sandbox.local import LocalBackend
+from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.daemon.tasks.datasets import oracle_plans
+from rolloutd.native_io.errors import Busy
+
+API_KEY = "test-key"
+
+
+@asynccontextmanager
+async def pipeline(state: Path, limits: PipelineLimits, servers: list[str] | None = None) -> AsyncIterator[RolloutPipeline]:
+    sandboxes = WarmPool(LocalBackend(state / "sb"), warm_specs={})
+    await sandboxes.start()
+    inference = await ServerPool.create(servers or [], api_key=API_KEY)
+    pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(), limits=limits,
+                           cache_dir=state / "cache")
+    try:
+        yield pipe
+    finally:
+        await inference.close()
+        await sandboxes.close()
+
+
+def command_args(iid: str, *, setup: str = "", run: list[str] | None = None, eval_script: str = "echo 1",
+                 **kw: Any) -> RolloutArgs:
+    task = {"type": "command", "instance_id": iid, "problem_statement": "x", "setup_script": setup,
+            "eval_script": eval_script}
+    return RolloutArgs(task=TaskRef(inline=task), agent="script", agent_config={"commands": run or []},
+                       ipython=False, **kw)
+
+
+def spans(t: Trajectory) -> dict[str, tuple[float, float]]:
+    out, opened = {}, {}
+    for stage, kind, at in t.metrics["stage_events"]:
+        if kind == "enter":
+            opened[stage] = at
+        else:
+            out[stage] = (opened[stage], at)
+    return out
+
+
+def max_concurrency(intervals: list[tuple[float, float]]) -> int:
+    points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    level = best = 0
+    for _, d in points:
+        level += d
+        best = max(best, level)
+    return best
+
+
+async def test_stage_limits_and_order(short_tmp: Path) -> None:
+    async with pipeline(short_tmp, PipelineLimits(init=1, run=2, eval=1)) as pipe:
+        args = [command_args(f"t{i}", setup="sleep 0.1", run=["sleep 0.2"], eval_script="sleep 0.1; echo 1")
+                for i in range(4)]
+        results = await asyncio.gather(*(pipe.run_request(f"r{i}", a) for i, a in enumerate(args)))
+        trajs = [r[0] for r in results]
+        assert all(t.finish_reason == "completed" and t.reward == 1.0 for t in trajs)
+        for t in trajs:
+            s = spans(t)
+            assert s["init"][1] <= s["run"][0] <= s["run"][1] <= s["eval"][0]
+            assert t.stage_s["run"] >= 0.2
+        for stage, limit in (("init", 1), ("run", 2), ("eval", 1)):
+            assert max_concurrency([spans(t)[stage] for t in trajs]) <= limit
+        assert sum(t.queued_s for t in trajs) > 0  # the limits made some wait
+        assert pipe.sandboxes.stats()["leased"] == 0
+
+
+async def test_slow_eval_does_not_delay_other_turns(short_tmp: Path) -> None:
+    async with pipeline(short_tmp, PipelineLimits(init=4, run=4, eval=1)) as pipe:
+        slow = asyncio.ensure_future(pipe.run_request("slow", command_args("slow", eval_script="sleep 2; echo 1")))
+        await asyncio.sleep(0.5)  # slow is evaluating now, holding the only eval slot
+        fast = await pipe.run_request("fast", command_args("fast", run=["echo turn1", "echo turn2"]))
+        (slow_t,) = await slow
+        (fast_t,) = fast
+        slow_eval, fast_run = spans(slow_t)["eval"], spans(fast_t)["run"]
+        # fast's agent turns ran entirely while slow held the eval slot...
+        assert slow_eval[0] < fast_run[0] and fast_run[1] < slow_eval[1]
+        # ...and fast's eval waited for the slot, which was not counted as stage time.
+        assert spans(fast_t)["eval"][0] >= slow_eval[1] and fast_t.queued_s > 0.5
+        assert fast_t.stage_s["eval"] < 1.0
+
+
+@pytest.mark.parametrize("stage", ["init", "run", "eval"])
+async def test_timeout_at_each_stage_frees_the_sandbox(short_tmp: Path, stage: str) -> None:
+    slow = "sleep 30"
+    kwargs = {"init": {"setup": slow}, "run": {"run": [slow]}, "eval": {"eval_script": f"{slow}; echo 1"}}[stage]
+    limits = {f"{stage}_timeout_s": 0.5}
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        (t,) = await asyncio.wait_for(pipe.run_request("r", command_args("t", **kwargs, **limits)), 20)
+        assert t.finish_reason == "timeout" and t.reward == 0.0, (t.finish_reason, t.error_message)
+        assert t.stage_s[stage] < 5
+        await asyncio.sleep(0.2)
+        assert pipe.sandboxes.stats()["leased"] == 0
+
+
+@pytest.mark.parametrize("stage", ["init", "run", "eval"])
+async def test_cancel_at_each_stage_frees_the_sandbox(short_tmp: Path, stage: str) -> None:
+    slow = "sleep 30"
+    kwargs = {"init": {"setup": slow}, "run": {"run": [slow]}, "eval": {"eval_script": f"{slow}; echo 1"}}[stage]
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        task = asyncio.ensure_future(pipe.run_request("r", command_args("t", **kwargs)))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if pipe.gates[stage].in_use:
+                break
+        task.cancel()
+        (t,) = await asyncio.wait_for(task, 10)
+        assert t.finish_reason == "cancelled" and stage in t.stage_s
+        await asyncio.sleep(0.2)
+        assert pipe.sandboxes.stats()["leased"] == 0 and pipe.admitted == 0
+
+
+async def test_busy_when_the_queue_is_full(short_tmp: Path) -> None:
+    async with pipeline(short_tmp, PipelineLimits(queue=3)) as pipe:
+        first = asyncio.ensure_future(pipe.run_request("a", command_args("a", run=["sleep 0.5"], n=2)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Busy, match="queue_limit"):
+            await pipe.run_request("b", command_args("b", n=2))
+        assert len(await first) == 2
+        assert len(await pipe.run_request("c", command_args("c", n=3))) == 3
+
+
+async def test_n_samples_share_the_set_up(short_tmp: Path) -> None:
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        args = RolloutArgs(task=TaskRef("wordwrap-001"), agent="script", agent_config={"commands": ["ls"]}, n=3,
+                           ipython=False)
+        trajs = await pipe.run_request("r", args)
+        assert sorted(t.sample_index for t in trajs) == [0, 1, 2]
+        assert all(t.reward == 0.0 and t.finish_reason == "completed" for t in trajs)  # the bug is still there
+        assert len(list((short_tmp / "cache" / "swe").iterdir())) == 1
+
+
+async def test_oracle_plan_end_to_end_with_token_fidelity(short_tmp: Path) -> None:
+    plans = oracle_plans()
+    plans["paginate-003-unsolved"] = ['Giving up.\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>']
+    plans_file = short_tmp / "plans.json"
+    plans_file.write_text(json.dumps({"plans": {"paginate-003": plans["paginate-003"]}}))
+    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans_file)) as policy:
+        async with pipeline(short_tmp, PipelineLimits(), [policy.url]) as pipe:
+            args = RolloutArgs(task=TaskRef("paginate-003"), n=2, ipython=True,
+                               sampling={"max_tokens": 1024, "seed": 3})
+            trajs = await pipe.run_request("e2e", args)
+    model, tok = default_model(), load_tokenizer()
+    for t in trajs:
+        assert t.finish_reason == "completed" and t.reward == 1.0, (t.finish_reason, t.error_message, t.metrics)
+        assert t.num_turns == len(plans["paginate-003"]) and t.template_append_only
+        assert len(t.response_ids) == len(t.response_mask) == len(t.response_logprobs)
+        assert np.all(t.response_logprobs[t.response_mask == 0] == 0.0)
+        full = np.concatenate([t.prompt_ids, t.response_ids])
+        recomputed = model.sequence_logprobs(full)[len(t.prompt_ids):]
+        model_tokens = t.response_mask == 1
+        assert np.max(np.abs(recomputed[model_tokens] - t.response_logprobs[model_tokens])) <= 1e-5
+        text = tok.decode(t.response_ids.tolist(), skip_special_tokens=False)
+        for reply in plans["paginate-003"]:
+            assert reply in text
+        assert t.weight_versions and all(v == "0" for v in t.weight_versions)
+        assert t.tools["str_replace_editor"].count >= 1 and t.tools["bash"].count >= 1
