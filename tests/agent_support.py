@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import rolloutd.daemon.tasks
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.agents.context import SandboxAgentContext
@@ -23,7 +22,11 @@ from rolloutd.daemon.inference.base import GenerateResult, SamplingParams
 from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.scripted import ScriptedPlans
-from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
+from rolloutd.daemon.policy.server import (
+    PolicyServerConfig,
+    PolicyServerHandle,
+    serve_policy,
+)
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
@@ -66,10 +69,12 @@ class RecordingContext(SandboxAgentContext):
     """The pipeline's context, keeping every GenerateResult so tests can compare against them."""
 
     results: list[GenerateResult]
+    server: PolicyServerHandle | None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.results = []
+        self.server = None
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
         result = await super().generate(prompt_ids, max_tokens=max_tokens)
@@ -80,20 +85,24 @@ class RecordingContext(SandboxAgentContext):
 @contextlib.asynccontextmanager
 async def agent_context(state_dir: Path, instance_id: str, replies: list[str], *, repo: Path | None = None,
                         problem: str = "Fix the bug.", ipython: bool = False, tokenizer: Any = None,
+                        server_options: dict[str, Any] | None = None,
                         **options: Any) -> AsyncIterator[RecordingContext]:
     """A context over a fresh local sandbox (``repo`` copied into its workspace) and a scripted
     reference server that answers ``instance_id``'s turns with ``replies``."""
     plans = ScriptedPlans(plans={instance_id: replies})
-    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans)) as server, \
+    config = PolicyServerConfig(api_key=API_KEY, scripted=plans, **(server_options or {}))
+    async with serve_policy(config) as server, \
             await ServerPool.create([server.url], api_key=API_KEY, health_interval_s=0) as pool:
         lease = await open_lease(LocalBackend(state_dir).create(SandboxSpec(ipython=ipython)))
         try:
             if repo is not None:
                 shutil.copytree(repo, lease.sandbox.workspace, dirs_exist_ok=True)
-            yield RecordingContext(
+            ctx = RecordingContext(
                 lease=lease, pool=pool, tokenizer=tokenizer or reference_tokenizer(),
                 sampling=SamplingParams(max_tokens=1, temperature=1.0, seed=0), trajectory_id=f"t-{instance_id}",
                 instance_id=instance_id, problem_statement=problem, **options)
+            ctx.server = server
+            yield ctx
         finally:
             await lease.destroy()
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
-
 from rolloutd.client.trajectory import ToolStats, TurnRecord
 from rolloutd.client.wire import ExecuteResult
 from rolloutd.daemon.inference.base import GenerateResult

@@ -16,6 +16,7 @@ pure functions below, which ``tests/test_bundled_tasks.py`` also uses to replay 
 from __future__ import annotations
 
 import base64
+import binascii
 import posixpath
 import shlex
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,8 @@ EDITOR_REQUIRED_ARGS: dict[str, frozenset[str]] = {
     "undo_edit": frozenset(),
 }
 SNIPPET_LINES = 4
-# Raw bytes per read command: 48 KiB of base64 stays under the shell's default 64 KiB output cap.
+# Raw bytes per read command: its base64 (~50 KB with line breaks) stays under the shell's
+# default 64 KiB output cap.
 READ_CHUNK_BYTES = 36 * 1024
 
 RunCommand = Callable[[str], Awaitable[CommandResult]]
@@ -190,13 +192,20 @@ class SandboxEditor:
         q = shlex.quote(target)
         size = int((await self._shell(f"wc -c < {q}")).output.strip() or 0)
         parts = []
-        for offset in range(0, max(size, 1), READ_CHUNK_BYTES):
-            result = await self._shell(f"tail -c +{offset + 1} {q} | head -c {READ_CHUNK_BYTES} | base64")
+        for block in range(-(-size // READ_CHUNK_BYTES)):
+            # stderr is dropped: the terminal would mix it into the base64 text.
+            result = await self._shell(f"dd if={q} bs={READ_CHUNK_BYTES} skip={block} count=1 2>/dev/null | base64")
             if result.truncated:
                 raise ToolCallError(f"reading {path} hit the sandbox's output limit (max_output_bytes); "
                                     "view it with bash instead")
-            parts.append(base64.b64decode(result.output))
+            try:
+                parts.append(base64.b64decode("".join(result.output.split()), validate=True))
+            except binascii.Error as e:
+                raise ToolCallError(f"reading {path} through the shell returned something other than base64 "
+                                    f"({e}): {result.output[:200]!r}") from e
         data = b"".join(parts)
+        if len(data) != size:
+            raise ToolCallError(f"could not read {path}: got {len(data)} of its {size} bytes (is it readable?)")
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -206,4 +215,4 @@ class SandboxEditor:
         q = shlex.quote(target)
         payload = base64.b64encode(text.encode("utf-8")).decode("ascii")
         parent = shlex.quote(posixpath.dirname(target) or "/")
-        await self._shell(f"mkdir -p {parent} && printf '%s' '{payload}' | base64 -d > {q}")
+        await self._shell(f"mkdir -p {parent} && printf '%s' '{payload}' | base64 -d > {q} 2>/dev/null")

@@ -26,12 +26,12 @@ repaired by re-tokenizing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from rolloutd.client.trajectory import ToolStats, TurnRecord
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import AgentError, ConfigError
@@ -252,7 +252,9 @@ class TokenLedger:
         rendered = self.framing.render(self.messages, generation_prompt=generation_prompt)
         first_new = self._checked_msgs
         if not rendered.startswith(self._rendered):
-            self._localize(first_new, len(self.messages))
+            if not self._localize(first_new, len(self.messages)):
+                self._diverge(first_new, "the chat template's rendering changed earlier text when messages "
+                                         f"{first_new}..{len(self.messages) - 1} were added")
         elif not self._diverged:
             new_text = self.codec.decode(self.ids[self._n_prompt + self._checked_ids:]) + tail
             if rendered[len(self._rendered):] != new_text:
@@ -265,14 +267,12 @@ class TokenLedger:
         generation_prompt, tail = self._tail()
         rendered = self.framing.render(self.messages, generation_prompt=generation_prompt)
         text = self.codec.decode(self.ids) + tail
-        if rendered != text:
-            self._localize(self._n_base, len(self.messages))
-            if not self._diverged:
-                self._framing_mismatch(rendered, text, 0)
+        if rendered != text and not self._localize(self._n_base, len(self.messages)):
+            self._framing_mismatch(rendered, text, 0)
 
-    def _localize(self, lo: int, hi: int) -> None:
-        """Find which added messages made the template re-render earlier text (renders twice per
-        message in [lo, hi); only runs once a check failed)."""
+    def _localize(self, lo: int, hi: int) -> bool:
+        """Report each message in [lo, hi) whose addition made the template re-render earlier text;
+        False when there is none (renders twice per message; only runs once a check failed)."""
         found = False
         for k in range(max(lo, self._n_base), hi):
             assistant = self.messages[k]["role"] == "assistant"
@@ -284,8 +284,7 @@ class TokenLedger:
                 self._diverge(k, f"adding message {k} ({self.messages[k]['role']}) made the chat template "
                                  f"re-render earlier text from character {at} on: the template is not "
                                  "append-only; the tokens keep what the model saw")
-        if not found and hi > lo:
-            self._diverge(lo, f"the chat template's rendering changed earlier text within messages {lo}..{hi - 1}")
+        return found
 
     def _framing_mismatch(self, rendered: str, ledger_text: str, start: int) -> None:
         """Both texts agree before ``start``; report where they part."""
@@ -342,6 +341,6 @@ class TokenLedger:
             prompt_ids=self.prompt_ids.copy(), response_ids=response, response_mask=mask,
             response_logprobs=logprobs, finish_reason=finish_reason, num_turns=len(self.turns),
             turns=list(self.turns), tools=dict(tools or {}), template_append_only=not self._diverged,
-            segments=list(zip(edges[:-1], edges[1:])), submitted=submitted,
+            segments=list(itertools.pairwise(edges)), submitted=submitted,
             messages=[dict(m) for m in self.messages], template_notes=list(self.notes),
             metrics=dict(metrics or {}))

@@ -72,10 +72,12 @@ def format_cell(result: ExecuteResult) -> str:
     return "\n".join(parts) if parts else "[no output]"
 
 
-def format_timeout(e: CommandTimeout, what: str, timeout_s: float) -> str:
+def format_timeout(e: CommandTimeout, what: str, elapsed_s: float) -> str:
+    """``elapsed_s``: what the call took; the limit itself may have been cut by the deadline."""
     restarted = e.details.get("shell_restarted") or e.details.get("kernel_restarted")
     lost = "cwd and environment were reset" if what == "command" else "its variables are gone"
-    note = f"[the {what} timed out after {timeout_s:g} s and was interrupted"
+    shown = f"{elapsed_s:.1f}" if elapsed_s < 10 else f"{elapsed_s:.0f}"
+    note = f"[the {what} timed out after {shown} s and was interrupted"
     note += f"; it did not stop, so it was restarted and {lost}]" if restarted else "]"
     output = str(e.details.get("output") or "").rstrip("\n")
     return f"{output}\n{note}" if output else note
@@ -121,7 +123,7 @@ class ToolBox:
         except ToolCallError as e:
             ok, text = False, f"Error: {e}"
         except CommandTimeout as e:
-            ok, text = False, format_timeout(e, "command" if call.name != "ipython" else "cell", self.command_timeout_s)
+            ok, text = False, format_timeout(e, "command" if call.name != "ipython" else "cell", time.monotonic() - t0)
         except KernelDied as e:
             ok, text = False, f"[{e}]"
         return Observation(call.name, "tool", clip(text, self.observation_max_chars), ok, time.monotonic() - t0)
