@@ -191,10 +191,16 @@ async def test_command_timeout_and_failures_are_observations(short_tmp: Path) ->
 
 
 async def test_ipython_errors_and_a_dying_kernel_are_observations(short_tmp: Path) -> None:
+    (short_tmp / "src" / "repo").mkdir(parents=True)
+    (short_tmp / "src" / "repo" / "m.py").write_text("VALUE = 7\n")
     replies = [call("ipython", code="x = 41\nx + 1"), call("ipython", code="1 / 0"),
                call("ipython", code="import os\nos._exit(1)"), call("ipython", code="print('x' in dir())"),
-               call("submit")]
-    async with agent_context(short_tmp, "kernel", replies, ipython=True) as ctx:
+               call("ipython", code="import m\nm.VALUE"), call("bash", command="pwd"),
+               call("str_replace_editor", command="view", path="m.py"), call("submit")]
+    async with agent_context(short_tmp / "state", "kernel", replies, repo=short_tmp / "src", ipython=True) as ctx:
+        # The repository sits in a sub-folder: the tools must work from there, not from the
+        # folder the shell and the kernel were started in.
+        ctx.workdir = f"{ctx.lease.sandbox.workspace_inside}/repo"
         outcome = await make_agent("codeact", {}).run(ctx)
         assert outcome.finish_reason == "completed"
         check_outcome(outcome, ctx, tool_schemas(ipython=True))
@@ -203,7 +209,10 @@ async def test_ipython_errors_and_a_dying_kernel_are_observations(short_tmp: Pat
     assert "ZeroDivisionError" in contents[1]
     assert "kernel died" in contents[2] and "restarted" in contents[2]
     assert contents[3] == "False"
-    assert (outcome.tools["ipython"].count, outcome.tools["ipython"].errors) == (4, 2)
+    assert contents[4] == "Out: 7"  # the restarted kernel was moved to the repository root again
+    assert contents[5] == ctx.workdir
+    assert "     1\tVALUE = 7" in contents[6]
+    assert (outcome.tools["ipython"].count, outcome.tools["ipython"].errors) == (5, 2)
 
 
 async def test_ipython_is_not_offered_without_a_kernel(short_tmp: Path) -> None:

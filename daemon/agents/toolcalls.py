@@ -91,7 +91,7 @@ SUBMIT = ToolSpec("submit", "Finish the task: call this once the fix is in place
 CODEACT_TOOLS: tuple[ToolSpec, ...] = (BASH, IPYTHON, EDITOR, SUBMIT)
 
 
-def _check_type(value: Any, schema: Mapping[str, Any]) -> bool:
+def _check_type(value: object, schema: Mapping[str, Any]) -> bool:
     kind = schema.get("type")
     types = _JSON_TYPES.get(str(kind), (object,))
     # JSON true/false are Python bools, which are ints too.
@@ -102,7 +102,7 @@ def _check_type(value: Any, schema: Mapping[str, Any]) -> bool:
     if "enum" in schema and value not in schema["enum"]:
         return False
     items = schema.get("items")
-    if kind == "array" and items is not None:
+    if isinstance(value, list) and items is not None:
         return all(_check_type(v, items) for v in value)
     return True
 

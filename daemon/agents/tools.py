@@ -9,11 +9,17 @@ errors, and OperationTimeout once the trajectory's deadline has passed.
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 
 from rolloutd.client.wire import ExecuteResult
-from rolloutd.native_io.errors import CommandTimeout, KernelDied, ToolCallError
+from rolloutd.native_io.errors import (
+    CommandTimeout,
+    KernelDied,
+    TaskError,
+    ToolCallError,
+)
 from rolloutd.native_io.pty_session import CommandResult
 
 from .base import AgentContext
@@ -92,9 +98,29 @@ class ToolBox:
         self.observation_max_chars = observation_max_chars
         self.specs: dict[str, ToolSpec] = {s.name: s for s in CODEACT_TOOLS if s.name != "ipython" or ctx.has_ipython}
         self.editor = SandboxEditor(self._run, ctx.workdir)
+        self._shell_in_workdir = False
+        self._kernel_in_workdir = False
 
     async def _run(self, command: str) -> CommandResult:
         return await self._ctx.run(command, timeout_s=self.command_timeout_s)
+
+    # The tools promise the repository root as working directory, wherever the pipeline started
+    # the shell and the kernel; each is moved there once, before its first use.
+
+    async def _enter_workdir_shell(self) -> None:
+        if not self._shell_in_workdir:
+            result = await self._ctx.run(f"cd -- {shlex.quote(self._ctx.workdir)}", timeout_s=self.command_timeout_s)
+            if result.exit_code != 0:
+                raise TaskError(f"the repository root {self._ctx.workdir} is not a folder in the sandbox: {result.output}")
+            self._shell_in_workdir = True
+
+    async def _enter_workdir_kernel(self) -> None:
+        if not self._kernel_in_workdir:
+            cell = await self._ctx.ipython(f"__import__('os').chdir({self._ctx.workdir!r})",
+                                           timeout_s=self.command_timeout_s)
+            if cell.status != "ok":
+                raise TaskError(f"the IPython kernel cannot enter the repository root {self._ctx.workdir}: {cell.error}")
+            self._kernel_in_workdir = True
 
     def parse(self, text: str) -> ToolCall | Observation:
         """The turn's tool call, or the observation explaining why there is none to run."""
@@ -109,13 +135,17 @@ class ToolBox:
         ok = True
         try:
             if call.name == "bash":
+                await self._enter_workdir_shell()
                 result = await self._ctx.run(call.arguments["command"], timeout_s=self.command_timeout_s)
                 ok = result.exit_code == 0
                 text = format_command(result)
+                self._shell_in_workdir &= not result.shell_restarted
             elif call.name == "ipython":
+                await self._enter_workdir_kernel()
                 cell = await self._ctx.ipython(call.arguments["code"], timeout_s=self.command_timeout_s)
                 ok = cell.status == "ok"
                 text = format_cell(cell)
+                self._kernel_in_workdir &= not cell.kernel_restarted
             elif call.name == "str_replace_editor":
                 text = await self.editor.execute(call.arguments)
             else:
@@ -124,6 +154,9 @@ class ToolBox:
             ok, text = False, f"Error: {e}"
         except CommandTimeout as e:
             ok, text = False, format_timeout(e, "command" if call.name != "ipython" else "cell", time.monotonic() - t0)
+            self._shell_in_workdir &= not e.details.get("shell_restarted")
+            self._kernel_in_workdir &= not e.details.get("kernel_restarted")
         except KernelDied as e:
             ok, text = False, f"[{e}]"
+            self._kernel_in_workdir = False
         return Observation(call.name, "tool", clip(text, self.observation_max_chars), ok, time.monotonic() - t0)
