@@ -50,6 +50,9 @@ async def test_oracle_plan_solves_the_task(instance_id: str, short_tmp: Path, mo
         assert outcome.template_append_only and outcome.template_notes == []
         assert outcome.segments == [(0, len(outcome.response_ids))]
         assert all(s.errors == 0 for name, s in outcome.tools.items()), outcome.tools
+        per_turn = outcome.metrics["agent_cpu_s_per_turn"]
+        assert len(per_turn) == outcome.num_turns and all(c > 0 for c in per_turn)
+        assert outcome.metrics["agent_cpu_s"] >= sum(per_turn) and outcome.metrics["generate_s"] > 0
         check_outcome(outcome, ctx, tool_schemas(uses_ipython))
         # The edits made through the sandbox's shell are the solution's files.
         workspace = ctx.lease.sandbox.workspace
@@ -235,6 +238,7 @@ async def test_deadline_ends_the_trajectory_with_timeout(short_tmp: Path) -> Non
         ctx.deadline = time.monotonic() + 1.0
         outcome = await make_agent("codeact", {"command_timeout_s": 30}).run(ctx)
         assert (outcome.finish_reason, outcome.num_turns) == ("timeout", 1)
+        assert len(outcome.metrics["agent_cpu_s_per_turn"]) == 1
         # The command got only the time left (not its 30 s); the next turn then hit the deadline.
         assert re.fullmatch(r"\[the command timed out after [01]\.\d s and was interrupted\]", tool_messages(outcome)[0][1])
         check_outcome(outcome, ctx, tool_schemas(ipython=False))

@@ -132,8 +132,10 @@ class AgentOutcome:
     template_notes: list[str] = field(default_factory=list)
     """What the template check found, in words (empty when all is well or the check was off)."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """``agent_cpu_s`` (bookkeeping CPU, inference and tools excluded), ``agent_cpu_s_per_turn``,
-    ``generate_s``, ``tool_s``."""
+    """The built-in agent fills in ``agent_cpu_s`` (its own CPU time: ids, decoding, parsing,
+    encoding observations; inference and tools excluded), ``agent_setup_cpu_s`` (rendering the
+    prompt, learning the framing), ``agent_final_cpu_s`` (final template check, arrays),
+    ``agent_cpu_s_per_turn`` (one entry per turn), ``generate_s`` and ``tool_s`` (wall time)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

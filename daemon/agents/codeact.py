@@ -97,9 +97,10 @@ class CodeActAgent(Agent):
         mark = cpu.total_s
         with cpu:
             outcome = ledger.outcome(finish_reason=finish, tools=stats, submitted=finish == "completed")
+        # Only the last iteration can end before its model turn (deadline, full context): drop it.
         outcome.metrics.update(
             agent_cpu_s=cpu.total_s, agent_setup_cpu_s=setup_cpu_s, agent_final_cpu_s=cpu.total_s - mark,
-            agent_cpu_s_per_turn=per_turn, **waits)
+            agent_cpu_s_per_turn=per_turn[:outcome.num_turns], **waits)
         return outcome
 
     async def _turn(self, ctx: AgentContext, ledger: TokenLedger, toolbox: ToolBox, cpu: CpuMeter,
