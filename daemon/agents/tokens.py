@@ -15,9 +15,10 @@ observations are that framing around their content, so a turn costs a few string
 encode of the new text, never a render of the history. A template that does not insert content
 verbatim (e.g. trims it) falls back to rendering base + message per observation.
 
-Generated ids are decoded only to parse the tool call and to keep the transcript. Every boundary
-between pieces sits right after a special token, so ``prompt + turns + observations`` is the
-token sequence of the template's rendering of the transcript. Whether the template really is
+Generated ids are decoded only to parse the tool call and to keep the transcript. Each observation
+starts right after an end-of-turn token (an added token, which the tokenizer matches before BPE),
+so it encodes exactly as it would inside the whole rendered transcript; the model's own ids stay
+as sampled even where encoding its text afresh would split it differently. Whether the template is
 append-only (Qwen3-style templates drop earlier ``<think>`` blocks once a new user message arrives)
 is checked by rendering the transcript, after every turn or once at the end (``template_check``);
 a divergence is reported (``template_append_only=False``, a new segment where it happened), never
@@ -88,8 +89,9 @@ class ChatFraming:
                               "content; token-in/token-out needs the model's text kept verbatim")
         closing = closed[len(head):]
         closing_ids = codec.encode(closing)
-        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        if not closing_ids or closing_ids[0] not in special:
+        # Added tokens are matched before BPE runs, so text on either side of one encodes alone.
+        atomic = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        if not closing_ids or closing_ids[0] not in atomic:
             raise ConfigError(f"the chat template ends an assistant turn with {closing!r}, which does not start "
                               "with a special end-of-turn token")
         self.eot_id = closing_ids[0]
