@@ -174,6 +174,13 @@ class AgentError(RolloutdError, RuntimeError):
     code = "AGENT"
 
 
+class ToolCallError(AgentError):
+    """The model's tool call could not be run as written (bad JSON, unknown tool, wrong
+    arguments, a failed edit); the agent turns it into an observation for the model."""
+
+    code = "TOOL_CALL"
+
+
 def _all_subclasses(cls: type[RolloutdError]) -> list[type[RolloutdError]]:
     out: list[type[RolloutdError]] = []
     for sub in cls.__subclasses__():

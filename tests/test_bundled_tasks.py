@@ -13,13 +13,14 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import rolloutd.daemon.tasks
+from rolloutd.daemon.agents.editor import EDITOR_REQUIRED_ARGS, insert_after, replace_once
+from rolloutd.daemon.agents.toolcalls import CODEACT_TOOLS, ToolCall, parse_tool_call
 
 BUNDLED = Path(rolloutd.daemon.tasks.__file__).parent / "bundled"
 TASK_DIRS = sorted(p for p in BUNDLED.iterdir() if p.is_dir())
@@ -34,30 +35,7 @@ LEAK_MIN_CHARS = 20
 
 TASK_KEYS = {"instance_id", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS", "summary"}
 INSTANCE_ID = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-REQUIRED_ARGS: dict[str, set[str]] = {
-    "bash": {"command"},
-    "ipython": {"code"},
-    "str_replace_editor": {"command", "path"},
-    "submit": set(),
-}
-ALLOWED_ARGS: dict[str, set[str]] = {
-    **REQUIRED_ARGS,
-    "str_replace_editor": {"command", "path", "old_str", "new_str", "file_text", "insert_line", "view_range"},
-}
-EDITOR_REQUIRED_ARGS: dict[str, set[str]] = {
-    "view": set(),
-    "create": {"file_text"},
-    "str_replace": {"old_str"},
-    "insert": {"insert_line", "new_str"},
-    "undo_edit": set(),
-}
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
+TOOLS = {spec.name: spec for spec in CODEACT_TOOLS}
 
 
 def load_task(task_dir: Path) -> dict[str, Any]:
@@ -75,40 +53,33 @@ def read_tree(root: Path) -> dict[str, str]:
 def parse_reply(reply: str) -> ToolCall:
     """The single tool call of one oracle reply, checked against the tool schemas."""
     assert len(reply) <= MAX_REPLY_CHARS, f"reply of {len(reply)} chars: {reply[:80]!r}"
-    blocks = TOOL_CALL.findall(reply)
-    assert len(blocks) == 1, f"expected one <tool_call> per reply: {reply[:120]!r}"
+    # The agent's own parser: one block, valid JSON, a known tool, arguments that fit its schema.
+    call = parse_tool_call(reply, TOOLS)
     before, _, after = reply.partition("<tool_call>")
     assert before.strip(), f"reply has no reasoning before its tool call: {reply[:120]!r}"
     assert not after.split("</tool_call>", 1)[1].strip(), f"text after the tool call: {reply[-120:]!r}"
-    call = json.loads(blocks[0])
-    assert isinstance(call, dict) and set(call) == {"name", "arguments"}, call
-    name, arguments = call["name"], call["arguments"]
-    assert name in REQUIRED_ARGS, f"unknown tool {name!r}"
-    assert isinstance(arguments, dict), arguments
-    assert REQUIRED_ARGS[name] <= set(arguments) <= ALLOWED_ARGS[name], f"{name} arguments {sorted(arguments)}"
+    name, arguments = call.name, call.arguments
     if name == "str_replace_editor":
         command = arguments["command"]
-        assert command in EDITOR_REQUIRED_ARGS, f"unknown editor command {command!r}"
         assert EDITOR_REQUIRED_ARGS[command] <= set(arguments), f"{command} arguments {sorted(arguments)}"
         path = arguments["path"]
         assert not path.startswith("/") and ".." not in Path(path).parts, f"path must stay in the repo: {path!r}"
         if "view_range" in arguments:
-            view_range = arguments["view_range"]
-            assert isinstance(view_range, list) and len(view_range) == 2, view_range
-            assert all(isinstance(n, int) for n in view_range), view_range
+            assert len(arguments["view_range"]) == 2, arguments["view_range"]
     elif name == "bash":
         syntax = subprocess.run(["bash", "-n"], input=arguments["command"], capture_output=True, text=True)
         assert syntax.returncode == 0, f"bash syntax error in {arguments['command']!r}: {syntax.stderr}"
     elif name == "ipython":
         compile(arguments["code"], "<oracle ipython>", "exec")
-    return ToolCall(name, arguments)
+    return call
 
 
 def replay_edits(files: dict[str, str], calls: list[ToolCall]) -> dict[str, str]:
     """Apply the oracle's editor calls to *files*; returns the files that end up different.
 
-    Semantics of the agent's str_replace_editor: create refuses an existing file, str_replace
-    needs exactly one occurrence, insert puts new_str's lines after line insert_line (0 = top).
+    The edit rules are the agent's own (rolloutd.daemon.agents.editor): create refuses an existing
+    file, str_replace needs exactly one occurrence, insert puts new_str's lines after line
+    insert_line (0 = top), undo_edit restores the content before the file's last edit.
     """
     current = dict(files)
     # Contents before each edit, per path; None: the file did not exist yet.
@@ -138,15 +109,9 @@ def replay_edits(files: dict[str, str], calls: list[ToolCall]) -> dict[str, str]
             continue
         history.setdefault(path, []).append(text)
         if command == "str_replace":
-            count = text.count(args["old_str"])
-            assert count == 1, f"old_str occurs {count} times in {path}: {args['old_str']!r}"
-            current[path] = text.replace(args["old_str"], args.get("new_str", ""))
+            current[path] = replace_once(text, args["old_str"], args.get("new_str", ""), path)
         else:
-            lines = text.split("\n")
-            line = args["insert_line"]
-            assert isinstance(line, int) and 0 <= line <= len(lines), f"insert_line {line} in {path}"
-            lines[line:line] = args["new_str"].split("\n")
-            current[path] = "\n".join(lines)
+            current[path] = insert_after(text, args["insert_line"], args["new_str"], path)
     return {p: t for p, t in current.items() if files.get(p) != t}
 
 

@@ -1,0 +1,23 @@
+"""Agents: the loop that turns a task into a trajectory inside a sandbox.
+
+``base`` holds the contract with the pipeline (AgentContext, AgentConfig, AgentOutcome, the Agent
+class and the registry by name); ``context`` the context over a sandbox lease and the inference
+pool; ``tokens`` the token-in/token-out ledger; ``codeact`` the built-in agent with its tools
+(``toolcalls``, ``tools``, ``editor``).
+"""
+
+from rolloutd.daemon.agents.base import (
+    Agent,
+    AgentConfig,
+    AgentContext,
+    AgentOutcome,
+    make_agent,
+    register_agent,
+    registered_agents,
+)
+from rolloutd.daemon.agents.codeact import CodeActAgent
+from rolloutd.daemon.agents.context import SandboxAgentContext
+from rolloutd.daemon.agents.tokens import TokenLedger
+
+__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "CodeActAgent", "SandboxAgentContext",
+           "TokenLedger", "make_agent", "register_agent", "registered_agents"]

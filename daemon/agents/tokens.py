@@ -1,0 +1,348 @@
+"""The token ledger of one multi-turn trajectory: token ids in, token ids out, nothing re-encoded.
+
+How the sequence grows::
+
+    prompt_ids  = encode(render([system, user], generation prompt))         once
+    turn        = the server's ids, appended as they are                     mask 1, logprobs kept
+    close       = <end-of-turn> when the turn did not end with it            mask 0
+    observation = encode(separator + framed message + generation prompt)     mask 0
+
+``separator`` is what the template writes after an end-of-turn token (``"\\n"`` for ChatML): the
+model's turn stops AT its end-of-turn token, so the separator opens the next message. The framing
+around a message's content is taken once from the template by rendering a fixed base conversation
+(the trajectory's own system and user messages) plus a message holding a placeholder; later
+observations are that framing around their content, so a turn costs a few string joins and one
+encode of the new text, never a render of the history. A template that does not insert content
+verbatim (e.g. trims it) falls back to rendering base + message per observation.
+
+Generated ids are decoded only to parse the tool call and to keep the transcript. Each observation
+starts right after an end-of-turn token (an added token, which the tokenizer matches before BPE),
+so it encodes exactly as it would inside the whole rendered transcript; the model's own ids stay
+as sampled even where encoding its text afresh would split it differently. Whether the template is
+append-only (Qwen3-style templates drop earlier ``<think>`` blocks once a new user message arrives)
+is checked by rendering the transcript, after every turn or once at the end (``template_check``);
+a divergence is reported (``template_append_only=False``, a new segment where it happened), never
+repaired by re-tokenizing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from rolloutd.client.trajectory import ToolStats, TurnRecord
+from rolloutd.daemon.inference.base import GenerateResult
+from rolloutd.native_io.errors import AgentError, ConfigError
+
+from .base import TEMPLATE_CHECKS, AgentOutcome
+
+log = logging.getLogger(__name__)
+
+# Whitespace around the marker: a template that strips or trims content would change them, which
+# sends that role down the render-per-observation path instead of a wrong framing.
+_PLACEHOLDERS = (" \n\x1frolloutd-content-a\x1f\n ", "\t\x1frolloutd-content-b\x1f \n")
+
+Message = dict[str, str]
+
+
+class TokenCodec:
+    """encode/decode without special-token insertion or clean-up, through the tokenizer's Rust
+    backend when it has one (the Python wrapper adds ~40 us per call)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(ids, skip_special_tokens=False))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+class ChatFraming:
+    """What a chat template writes around messages, learned once from a base conversation."""
+
+    def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None,
+                 codec: TokenCodec) -> None:
+        self._tokenizer = tokenizer
+        self._tools = tools
+        self.base = [dict(m) for m in base]
+        self.base_text = self.render(self.base, generation_prompt=False)
+        self.prompt_text = self.render(self.base, generation_prompt=True)
+        if not self.prompt_text.startswith(self.base_text):
+            raise ConfigError("the chat template's generation prompt does not extend the conversation; "
+                              "rolloutd needs a template that appends '<assistant header>' for add_generation_prompt")
+        self.generation_prompt = self.prompt_text[len(self.base_text):]
+        marker = _PLACEHOLDERS[0]
+        closed = self.render([*self.base, {"role": "assistant", "content": marker}], generation_prompt=False)
+        head = self.prompt_text + marker
+        if not closed.startswith(head):
+            raise ConfigError("the chat template does not render an assistant message as generation prompt + "
+                              "content; token-in/token-out needs the model's text kept verbatim")
+        closing = closed[len(head):]
+        closing_ids = codec.encode(closing)
+        # Added tokens are matched before BPE runs, so text on either side of one encodes alone.
+        atomic = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        if not closing_ids or closing_ids[0] not in atomic:
+            raise ConfigError(f"the chat template ends an assistant turn with {closing!r}, which does not start "
+                              "with a special end-of-turn token")
+        self.eot_id = closing_ids[0]
+        self.eot_text = codec.decode([self.eot_id])
+        if not closing.startswith(self.eot_text) or not self.base_text.endswith(closing):
+            raise ConfigError(f"the chat template closes assistant turns with {closing!r} but the base "
+                              "conversation differently; cannot split observations at the end-of-turn token")
+        self.separator = closing[len(self.eot_text):]
+        self._cut = len(self.base_text) - len(self.separator)
+        self._frames: dict[str, tuple[str, str] | None] = {}
+
+    def render(self, messages: list[Message], *, generation_prompt: bool) -> str:
+        try:
+            text = self._tokenizer.apply_chat_template(messages, tools=self._tools, tokenize=False,
+                                                       add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja raises its own errors (raise_exception, undefined names)
+            raise ConfigError(f"the chat template failed to render the conversation: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ConfigError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
+        return text
+
+    def _delta(self, message: Message) -> str:
+        """Text the template adds after the base for ``message`` (+ generation prompt), separator first."""
+        rendered = self.render([*self.base, message], generation_prompt=True)
+        if not rendered.startswith(self.base_text):
+            raise ConfigError(f"adding a {message['role']!r} message makes the chat template re-render the "
+                              "system and user messages; observations cannot be appended token by token")
+        return rendered[self._cut:]
+
+    def _frame(self, role: str) -> tuple[str, str] | None:
+        if role not in self._frames:
+            found: list[tuple[str, str]] = []
+            for marker in _PLACEHOLDERS:
+                pre, hit, post = self._delta({"role": role, "content": marker}).partition(marker)
+                if hit:
+                    found.append((pre, post))
+            verbatim = len(found) == len(_PLACEHOLDERS) and len(set(found)) == 1
+            if not verbatim:
+                log.info("chat template does not insert %r content verbatim; rendering each observation", role)
+            self._frames[role] = found[0] if verbatim else None
+        return self._frames[role]
+
+    def message_text(self, role: str, content: str) -> str:
+        """Separator + the framed message + the generation prompt, as the template writes them."""
+        frame = self._frame(role)
+        if frame is None:
+            return self._delta({"role": role, "content": content})
+        return frame[0] + content + frame[1]
+
+
+@dataclass
+class _Chunk:
+    length: int
+    mask: int
+    logprobs: np.ndarray | None
+
+
+class TokenLedger:
+    """The growing token sequence of one trajectory and its transcript.
+
+    ``ids`` is the whole sequence (prompt + response) to send to the server for the next turn;
+    do not modify it.
+    """
+
+    def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None = None, *,
+                 max_total_tokens: int, template_check: str = "final") -> None:
+        if template_check not in TEMPLATE_CHECKS:
+            raise ConfigError(f"template_check must be one of {TEMPLATE_CHECKS}, got {template_check!r}")
+        self.codec = TokenCodec(tokenizer)
+        self.framing = ChatFraming(tokenizer, base, tools, self.codec)
+        self.template_check = template_check
+        self.max_total_tokens = max_total_tokens
+        self.messages: list[Message] = [dict(m) for m in base]
+        self._n_base = len(base)
+        self.prompt_ids = np.asarray(self.codec.encode(self.framing.prompt_text), dtype=np.int32)
+        self.ids: list[int] = self.prompt_ids.tolist()
+        self._n_prompt = len(self.ids)
+        self._chunks: list[_Chunk] = []
+        self.turns: list[TurnRecord] = []
+        self._msg_start: list[int] = []
+        """Response index where each message after the base begins."""
+        self._closed = True
+        # Template check state: the rendering last verified and how many ids it covered.
+        self._rendered = self.framing.prompt_text
+        self._checked_ids = 0
+        self._checked_msgs = len(self.messages)
+        self._diverged = False
+        self.boundaries: list[int] = []
+        self.notes: list[str] = []
+        if template_check == "every_turn" and self.codec.decode(self.ids) != self.framing.prompt_text:
+            self._diverge(0, "the prompt's tokens do not decode to the rendered prompt (the tokenizer does not "
+                             "round-trip it)")
+        if self._n_prompt >= max_total_tokens:
+            raise ConfigError(f"the prompt alone is {self._n_prompt} tokens, not below max_context_tokens="
+                              f"{max_total_tokens}; raise max_context_tokens")
+
+    @property
+    def response_len(self) -> int:
+        return len(self.ids) - self._n_prompt
+
+    @property
+    def room(self) -> int:
+        """Tokens that may still be added before max_total_tokens."""
+        return self.max_total_tokens - len(self.ids)
+
+    @property
+    def eot_id(self) -> int:
+        return self.framing.eot_id
+
+    def add_turn(self, result: GenerateResult) -> str:
+        """Append a model turn's ids unchanged (mask 1); returns its text without the end-of-turn."""
+        if self.messages[-1]["role"] == "assistant":
+            raise AgentError("two model turns in a row: add the observation of the previous turn first")
+        new = result.token_ids.tolist()
+        if len(new) > self.room:
+            raise AgentError(f"a turn of {len(new)} tokens does not fit the {self.room} left under "
+                             f"max_context_tokens={self.max_total_tokens}; ask for at most room tokens")
+        start = self.response_len
+        self.ids.extend(new)
+        self._chunks.append(_Chunk(len(new), 1, result.logprobs))
+        self.turns.append(TurnRecord(start=start, end=start + len(new), weight_version=result.weight_version,
+                                     finish_reason=result.finish_reason, server=result.server))
+        self._closed = bool(new) and new[-1] == self.eot_id
+        content = self.codec.decode(new[:-1] if self._closed else new)
+        self.messages.append({"role": "assistant", "content": content})
+        self._msg_start.append(start)
+        return content
+
+    def add_message(self, role: str, content: str) -> bool:
+        """Append an observation (``tool``) or a ``user`` message with its framing (mask 0) and the
+        generation prompt; False, with nothing appended, when it would pass max_total_tokens."""
+        new = self.codec.encode(self.framing.message_text(role, content))
+        close = [] if self._closed else [self.eot_id]
+        if len(close) + len(new) > self.room:
+            return False
+        if close:
+            self._append_template(close)
+            self._closed = True
+        self._msg_start.append(self.response_len)
+        self._append_template(new)
+        self.messages.append({"role": role, "content": content})
+        if self.template_check == "every_turn":
+            self._check_new(generation_prompt=True, tail="")
+        return True
+
+    def _append_template(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        self._chunks.append(_Chunk(len(ids), 0, None))
+
+    # --- template check -----------------------------------------------------------------------
+
+    def _tail(self) -> tuple[bool, str]:
+        """(generation prompt?, text the template adds after the ledger's last token)."""
+        if self.messages[-1]["role"] != "assistant":
+            return True, ""
+        return False, (self.framing.separator if self._closed else self.framing.eot_text + self.framing.separator)
+
+    def _check_new(self, *, generation_prompt: bool, tail: str) -> None:
+        """every_turn: the new rendering must extend the last one, by exactly the new tokens' text."""
+        rendered = self.framing.render(self.messages, generation_prompt=generation_prompt)
+        first_new = self._checked_msgs
+        if not rendered.startswith(self._rendered):
+            if not self._localize(first_new, len(self.messages)):
+                self._diverge(first_new, "the chat template's rendering changed earlier text when messages "
+                                         f"{first_new}..{len(self.messages) - 1} were added")
+        elif not self._diverged:
+            new_text = self.codec.decode(self.ids[self._n_prompt + self._checked_ids:]) + tail
+            if rendered[len(self._rendered):] != new_text:
+                self._framing_mismatch(rendered, self._rendered + new_text, len(self._rendered))
+        self._rendered = rendered
+        self._checked_ids = self.response_len
+        self._checked_msgs = len(self.messages)
+
+    def _check_final(self) -> None:
+        generation_prompt, tail = self._tail()
+        rendered = self.framing.render(self.messages, generation_prompt=generation_prompt)
+        text = self.codec.decode(self.ids) + tail
+        if rendered != text and not self._localize(self._n_base, len(self.messages)):
+            self._framing_mismatch(rendered, text, 0)
+
+    def _localize(self, lo: int, hi: int) -> bool:
+        """Report each message in [lo, hi) whose addition made the template re-render earlier text;
+        False when there is none (renders twice per message; only runs once a check failed)."""
+        found = False
+        for k in range(max(lo, self._n_base), hi):
+            assistant = self.messages[k]["role"] == "assistant"
+            before = self.framing.render(self.messages[:k], generation_prompt=assistant)
+            after = self.framing.render(self.messages[: k + 1], generation_prompt=not assistant)
+            if not after.startswith(before):
+                found = True
+                at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+                self._diverge(k, f"adding message {k} ({self.messages[k]['role']}) made the chat template "
+                                 f"re-render earlier text from character {at} on: the template is not "
+                                 "append-only; the tokens keep what the model saw")
+        return found
+
+    def _framing_mismatch(self, rendered: str, ledger_text: str, start: int) -> None:
+        """Both texts agree before ``start``; report where they part."""
+        at = next((i for i in range(start, min(len(rendered), len(ledger_text))) if rendered[i] != ledger_text[i]),
+                  min(len(rendered), len(ledger_text)))
+        self._diverge(self._message_at(at), f"the tokens decode to text the template does not produce: from "
+                                            f"character {at} the template has {rendered[at:at + 60]!r}, the "
+                                            f"tokens {ledger_text[at:at + 60]!r}")
+
+    def _message_at(self, char_offset: int) -> int:
+        """Index of the message whose tokens decode to the text at ``char_offset``."""
+        end = len(self.codec.decode(self.ids[:self._n_prompt]))
+        if char_offset < end:
+            return 0
+        starts = [*self._msg_start, self.response_len]
+        for i in range(len(self._msg_start)):
+            end += len(self.codec.decode(self.ids[self._n_prompt + starts[i]:self._n_prompt + starts[i + 1]]))
+            if char_offset < end:
+                return self._n_base + i
+        return len(self.messages) - 1
+
+    def _diverge(self, message_index: int, note: str) -> None:
+        self._diverged = True
+        self.notes.append(note)
+        log.warning("template check: %s", note)
+        position = self._msg_start[message_index - self._n_base] if message_index >= self._n_base else 0
+        if position not in self.boundaries:
+            self.boundaries.append(position)
+
+    # --- result -------------------------------------------------------------------------------
+
+    def outcome(self, *, finish_reason: str, tools: dict[str, ToolStats] | None = None, submitted: bool = False,
+                metrics: dict[str, Any] | None = None) -> AgentOutcome:
+        """Run the last template check and build the outcome arrays."""
+        if self.template_check == "every_turn" and self._checked_msgs < len(self.messages):
+            generation_prompt, tail = self._tail()
+            self._check_new(generation_prompt=generation_prompt, tail=tail)
+        elif self.template_check == "final":
+            self._check_final()
+        n = self.response_len
+        response = np.asarray(self.ids[self._n_prompt:], dtype=np.int32)
+        mask = np.zeros(n, dtype=np.uint8)
+        logprobs = np.zeros(n, dtype=np.float32)
+        pos = 0
+        for chunk in self._chunks:
+            if chunk.mask:
+                mask[pos:pos + chunk.length] = 1
+                if chunk.logprobs is not None:
+                    logprobs[pos:pos + chunk.length] = chunk.logprobs
+            pos += chunk.length
+        cuts = sorted(b for b in set(self.boundaries) if 0 < b < n)
+        edges = [0, *cuts, n]
+        return AgentOutcome(
+            prompt_ids=self.prompt_ids.copy(), response_ids=response, response_mask=mask,
+            response_logprobs=logprobs, finish_reason=finish_reason, num_turns=len(self.turns),
+            turns=list(self.turns), tools=dict(tools or {}), template_append_only=not self._diverged,
+            segments=list(itertools.pairwise(edges)), submitted=submitted,
+            messages=[dict(m) for m in self.messages], template_notes=list(self.notes),
+            metrics=dict(metrics or {}))
