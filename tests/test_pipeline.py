@@ -22,7 +22,7 @@ from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool
-from rolloutd.daemon.tasks.datasets import oracle_plans
+from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
 from rolloutd.native_io.errors import Busy
 
 API_KEY = "test-key"
@@ -155,12 +155,16 @@ async def test_oracle_plan_end_to_end_with_token_fidelity(short_tmp: Path) -> No
     plans = oracle_plans()
     plans["paginate-003-unsolved"] = ['Giving up.\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>']
     plans_file = short_tmp / "plans.json"
-    plans_file.write_text(json.dumps({"plans": {"paginate-003": plans["paginate-003"]}}))
+    plans_file.write_text(json.dumps({"plans": {k: plans[k] for k in ("paginate-003", "paginate-003-unsolved")}}))
+    unsolved_task = {**dataset_records("bundled")["paginate-003"], "instance_id": "paginate-003-unsolved"}
     async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans_file)) as policy:
         async with pipeline(short_tmp, PipelineLimits(), [policy.url]) as pipe:
             args = RolloutArgs(task=TaskRef("paginate-003"), n=2, ipython=True,
                                sampling={"max_tokens": 1024, "seed": 3})
             trajs = await pipe.run_request("e2e", args)
+            (unsolved,) = await pipe.run_request("e2e-unsolved", RolloutArgs(task=TaskRef(inline=unsolved_task)))
+    assert unsolved.finish_reason == "completed" and unsolved.num_turns == 1 and unsolved.reward == 0.0
+    assert unsolved.metrics["eval"]["failed_fail_to_pass"]
     model, tok = default_model(), load_tokenizer()
     for t in trajs:
         assert t.finish_reason == "completed" and t.reward == 1.0, (t.finish_reason, t.error_message, t.metrics)

@@ -17,7 +17,8 @@ from rolloutd.daemon.agents.base import (
 )
 from rolloutd.daemon.agents.codeact import CodeActAgent
 from rolloutd.daemon.agents.context import SandboxAgentContext
+from rolloutd.daemon.agents.script import ScriptAgent
 from rolloutd.daemon.agents.tokens import TokenLedger
 
-__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "CodeActAgent", "SandboxAgentContext",
+__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "CodeActAgent", "SandboxAgentContext", "ScriptAgent",
            "TokenLedger", "make_agent", "register_agent", "registered_agents"]
