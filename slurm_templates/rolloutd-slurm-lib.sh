@@ -232,7 +232,9 @@ rld_stop_daemon() {
       sleep 0.1
     done
     kill -KILL "${victims[@]}" 2>/dev/null
-    # The second stop finds no daemon and reaps what it left on disk (sandbox instances, sockets).
+  fi
+  if [ $rc != 0 ] || ((${#victims[@]})); then
+    # A second stop finds no daemon and reaps what it left on disk (sandbox instances, sockets).
     rld_as_user 30 "$user" node stop --run-dir "$run_dir" --timeout-s 1 >/dev/null 2>&1 \
       || rld_log "cleanup after the forced stop failed"
   fi

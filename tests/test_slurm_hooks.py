@@ -40,13 +40,14 @@ def test_config_beside_the_hooks_is_read(short_tmp: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    (f"ROLLOUTD={ROLLOUTD}\nWORKERZ=2\n", "line 2: unknown key WORKERZ"),
-    ("ROLLOUTD=rolloutd\n", "ROLLOUTD=rolloutd is not an executable absolute path"),
-    ("RUN_BASE=/tmp\n", "ROLLOUTD is not set"),
-    (f"ROLLOUTD={ROLLOUTD}\nRUN_BASE=/{'x' * 80}\n", "too long for a Unix socket path"),
-    (f"ROLLOUTD={ROLLOUTD}\nSHARE=node\n", "SHARE=node must be 'job' or 'user'"),
-    (f"ROLLOUTD={ROLLOUTD}\nSTOP_TIMEOUT_S=0\n", "STOP_TIMEOUT_S=0 must be a positive whole number"),
-    (f"ROLLOUTD={ROLLOUTD}\nrun_base /tmp\n", "line 2: expected KEY=value"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nWORKERZ=2\n", "line 2: unknown key WORKERZ", id="unknown-key"),
+    pytest.param("ROLLOUTD=rolloutd\n", "ROLLOUTD=rolloutd is not an executable absolute path", id="relative-program"),
+    pytest.param("RUN_BASE=/tmp\n", "ROLLOUTD is not set", id="no-program"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nRUN_BASE=/{'x' * 80}\n", "too long for a Unix socket path", id="long-base"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nSHARE=node\n", "SHARE=node must be 'job' or 'user'", id="bad-share"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nSTOP_TIMEOUT_S=0\n", "STOP_TIMEOUT_S=0 must be a positive whole number",
+                 id="zero-timeout"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nrun_base /tmp\n", "line 2: expected KEY=value", id="not-key-value"),
 ])
 def test_bad_config_says_what_is_wrong(short_tmp: Path, text: str, error: str) -> None:
     out = load(short_tmp, text)
