@@ -19,7 +19,16 @@ from typing import Any
 import pytest
 
 from os_users import ensure_test_user
-from slurm_support import CLIENT, CLUSTER_DIR, RUN_BASE, SCRIPT, SlurmCluster, pipes_shared_outside_session, script_env, wait_for_file
+from slurm_support import (
+    CLIENT,
+    CLUSTER_DIR,
+    RUN_BASE,
+    SCRIPT,
+    SlurmCluster,
+    pipes_shared_outside_session,
+    script_env,
+    wait_for_file,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.unprivileged]
 
@@ -171,7 +180,8 @@ def test_bad_config_drains_the_node_with_the_reason(slurm: SlurmCluster, short_t
         node_config.write_text("max_sandboxes = 3\n")
         node_config.chmod(0o644)
         slurm.write_hook_config(NODE_CONFIG=str(node_config))
-        expected = "rolloutd node start failed (exit 2): rolloutd: error [CONFIG]: node config: unknown field(s) ['max_sandboxes']"
+        expected = ("rolloutd node start failed (exit 2): rolloutd: error [CONFIG]: "
+                    "node config: unknown field(s) ['max_sandboxes']")
     job = slurm.sbatch(folder, "echo should not run\n")
     try:
         for _ in range(150):  # the job goes back to the queue, held, once its epilog ran
