@@ -6,9 +6,9 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: setup deps apptainer image demo test bench clean
+.PHONY: setup deps apptainer image slurm-deps demo test bench clean
 
-setup: deps apptainer image
+setup: deps apptainer image slurm-deps
 
 # A venv on the system Python (not one under /root): the tests run sandboxes as an ordinary user too.
 $(VENV)/.installed: pyproject.toml
@@ -29,6 +29,10 @@ apptainer:
 
 image: apptainer
 	scripts/build-image
+
+# Debian's Slurm and munge for the `slurm` tests, which start a one-node cluster themselves.
+slurm-deps:
+	scripts/start-test-slurm install
 
 demo: setup
 	$(VENV)/bin/rolloutd demo

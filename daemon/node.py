@@ -30,6 +30,8 @@ from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
 
 def pidfile_path(config: NodeConfig, pidfile: str | None) -> Path:
     return Path(pidfile) if pidfile else config.run_path / "node.pid"
@@ -64,13 +66,20 @@ def run_foreground(config: NodeConfig, pidfile: Path) -> int:
 
 
 def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, ready_timeout_s: float) -> int:
-    config.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = log_file or config.run_path / "node.log"
+    try:
+        config.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+    except OSError as e:
+        raise RolloutdError(f"cannot prepare the run folder {config.run_path} or log {log_path}: {e}") from e
     existing = _daemon_pid(pidfile)
     if existing is not None:
+        out.close()
         raise RolloutdError(f"a node daemon is already running (pid {existing}, {config.address})")
-    log_path = log_file or config.run_path / "node.log"
     env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": config.to_json()}
-    with open(log_path, "ab") as out:
+    # A Slurm prolog (or cron, or systemd) may give no PATH; the daemon runs apptainer and env.
+    env.setdefault("PATH", DEFAULT_PATH)
+    with out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rolloutd.daemon.cli", "node", "start", "--pidfile", str(pidfile),
              "--config-from-env"],
@@ -81,7 +90,8 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RolloutdError(f"the node daemon exited with {proc.returncode} during start-up; "
+            _abort_start(proc, config, pidfile)
+            raise RolloutdError(f"the node daemon (pid {proc.pid}) exited with {proc.returncode} during start-up; "
                                 f"log {log_path}:\n{_tail(log_path)}")
         if config.socket_path.exists():
             try:
@@ -92,9 +102,23 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
             except RolloutdError:
                 pass
         time.sleep(0.1)
-    proc.kill()
-    raise RolloutdError(f"the node daemon did not answer within {ready_timeout_s} s (ready_timeout_s); "
+    _abort_start(proc, config, pidfile)
+    raise RolloutdError(f"the node daemon (pid {proc.pid}) did not answer within {ready_timeout_s} s "
+                        "(--ready-timeout-s); "
                         f"log {log_path}:\n{_tail(log_path)}")
+
+
+def _abort_start(proc: subprocess.Popen[bytes], config: NodeConfig, pidfile: Path) -> None:
+    """A failed start leaves nothing: every process of the daemon's session (it leads its own),
+    its sandboxes, sockets, segments and pidfile."""
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(p.info["pid"]) == proc.pid:
+                p.kill()
+    proc.wait()
+    _cleanup_after(config, proc.pid)
+    with contextlib.suppress(FileNotFoundError):
+        pidfile.unlink()
 
 
 def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:

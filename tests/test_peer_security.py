@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from daemon_fixtures import node_daemon
+from os_users import TEST_USER as USER
+from os_users import ensure_test_user
 
 pytestmark = pytest.mark.unprivileged
-USER = "rolloutd-test"
 
 RAW_CLIENT = """
 import sys, zmq, msgpack
@@ -38,12 +39,7 @@ except RolloutdError as e:
 
 
 def _as_other_user(code: str, address: str) -> str:
-    if os.getuid() != 0:
-        pytest.fail("this test needs root to act as a second user (CI runs as root)")
-    try:
-        pwd.getpwnam(USER)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", USER], check=True)
+    ensure_test_user()
     out = subprocess.run(["runuser", "-u", USER, "--", sys.executable, "-c", code, address],
                          capture_output=True, text=True, timeout=60, cwd="/tmp")
     assert out.returncode == 0, out.stderr[-2000:]

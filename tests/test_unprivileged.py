@@ -4,33 +4,31 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from os_users import TEST_USER as USER
+from os_users import ensure_test_user
+
 pytestmark = [pytest.mark.apptainer, pytest.mark.unprivileged]
 
-USER = "rolloutd-test"
 SCRIPT = Path(__file__).with_name("unprivileged_smoke.py")
 
 
 def _as_user_command() -> list[str]:
     if os.getuid() != 0:
         return [sys.executable, str(SCRIPT)]
-    try:
-        pwd.getpwnam(USER)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", USER], check=True)
+    user = ensure_test_user()
     probe = subprocess.run(["runuser", "-u", USER, "--", sys.executable, "-c", "import rolloutd.daemon"],
                            capture_output=True, text=True)
     assert probe.returncode == 0, (
         f"user {USER} cannot import rolloutd from {sys.executable}: make the checkout and its venv "
         f"readable (chmod o+rX on every parent folder): {probe.stderr[-500:]}"
     )
-    env = ["env", f"ROLLOUTD_CACHE_DIR={os.environ['ROLLOUTD_CACHE_DIR']}", "HOME=" + pwd.getpwnam(USER).pw_dir]
+    env = ["env", f"ROLLOUTD_CACHE_DIR={os.environ['ROLLOUTD_CACHE_DIR']}", "HOME=" + user.pw_dir]
     return ["runuser", "-u", USER, "--", *env, sys.executable, str(SCRIPT)]
 
 

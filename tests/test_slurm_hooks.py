@@ -1,0 +1,61 @@
+"""The Slurm hooks' shell code without a cluster: the templates parse, and the admin's config file
+is checked the way the prolog checks it (tests/test_slurm.py runs the hooks under real Slurm)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "slurm_templates"
+ROLLOUTD = str(Path(sys.executable).with_name("rolloutd"))
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in TEMPLATES.glob("*.sh")))
+def test_template_parses(script: str) -> None:
+    out = subprocess.run(["bash", "-n", str(TEMPLATES / script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def load(hooks: Path, text: str, mode: int = 0o644) -> subprocess.CompletedProcess[str]:
+    """Source the library as a hook installed in ``hooks`` would, and load ``text`` as its config."""
+    conf = hooks / "rolloutd-slurm.conf"
+    conf.write_text(text)
+    conf.chmod(mode)
+    code = (f". {TEMPLATES}/rolloutd-slurm-lib.sh; "
+            'if rld_load_config; then echo "$RLD_CONFIG_FILE|$RLD_ROLLOUTD|$RLD_RUN_BASE|$RLD_SHARE|$RLD_WORKERS|'
+            '$RLD_HOOK_LOG"; else echo "ERROR: $RLD_ERROR"; fi')
+    return subprocess.run(["bash", "-c", code, str(hooks / "prolog.sh")], capture_output=True, text=True,
+                          env={"SLURM_JOB_ID": "7"})
+
+
+def test_config_beside_the_hooks_is_read(short_tmp: Path) -> None:
+    text = f'# admin settings\nROLLOUTD={ROLLOUTD}\n  RUN_BASE="/var/tmp/rld"  \nSHARE=user\nWORKERS=\n'
+    out = load(short_tmp, text)
+    assert out.stdout.strip() == (f"{short_tmp}/rolloutd-slurm.conf|{ROLLOUTD}|/var/tmp/rld|user||"
+                                  "/var/tmp/rld/hooks.log"), out.stderr
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nWORKERZ=2\n", "line 2: unknown key WORKERZ", id="unknown-key"),
+    pytest.param("ROLLOUTD=rolloutd\n", "ROLLOUTD=rolloutd is not an executable absolute path", id="relative-program"),
+    pytest.param("RUN_BASE=/tmp\n", "ROLLOUTD is not set", id="no-program"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nRUN_BASE=/{'x' * 80}\n", "too long for a Unix socket path", id="long-base"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nSHARE=node\n", "SHARE=node must be 'job' or 'user'", id="bad-share"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nSTOP_TIMEOUT_S=0\n", "STOP_TIMEOUT_S=0 must be a positive whole number",
+                 id="zero-timeout"),
+    pytest.param(f"ROLLOUTD={ROLLOUTD}\nrun_base /tmp\n", "line 2: expected KEY=value", id="not-key-value"),
+])
+def test_bad_config_says_what_is_wrong(short_tmp: Path, text: str, error: str) -> None:
+    out = load(short_tmp, text)
+    assert out.stdout.startswith("ERROR: ") and error in out.stdout, out.stdout + out.stderr
+
+
+def test_config_others_can_write_is_refused_as_root(short_tmp: Path) -> None:
+    if os.getuid() != 0:
+        pytest.fail("the prolog runs as root; this check needs root (CI runs as root)")
+    out = load(short_tmp, f"ROLLOUTD={ROLLOUTD}\n", mode=0o666)
+    assert "must be owned by root and writable by root only" in out.stdout, out.stdout + out.stderr
