@@ -34,7 +34,7 @@ image: apptainer
 slurm-deps:
 	scripts/start-test-slurm install
 
-demo: setup
+demo: deps apptainer image
 	$(VENV)/bin/rolloutd demo
 
 test: setup
