@@ -262,6 +262,23 @@ class AsyncRolloutClient:
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return (await self.request("status", timeout_s=timeout_s)).result
 
+    # --- inference servers, applied by every worker of the node -------------------------------
+
+    async def add_inference_server(self, address: str) -> dict[str, Any]:
+        return (await self.request("inference.add_server", {"address": address})).result
+
+    async def remove_inference_server(self, address: str) -> dict[str, Any]:
+        return (await self.request("inference.remove_server", {"address": address})).result
+
+    async def set_weight_version(self, version: str) -> dict[str, Any]:
+        return (await self.request("inference.set_weight_version", {"version": version})).result
+
+    async def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
+        return (await self.request("inference.pause", {"mode": mode})).result
+
+    async def resume_inference(self) -> dict[str, Any]:
+        return (await self.request("inference.resume")).result
+
     async def open_sandbox(self, **kwargs: Any) -> "AsyncSandbox":
         """Lease a sandbox (kwargs as ``SandboxOpenArgs``: image, network, ipython, writable, timeout_s)."""
         args = to_fields(SandboxOpenArgs(**kwargs))

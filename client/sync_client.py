@@ -72,6 +72,21 @@ class RolloutClient:
     def cancel(self, request_id: str) -> None:
         self._run(self._async.cancel(request_id))
 
+    def add_inference_server(self, address: str) -> dict[str, Any]:
+        return self._run(self._async.add_inference_server(address))
+
+    def remove_inference_server(self, address: str) -> dict[str, Any]:
+        return self._run(self._async.remove_inference_server(address))
+
+    def set_weight_version(self, version: str) -> dict[str, Any]:
+        return self._run(self._async.set_weight_version(version))
+
+    def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
+        return self._run(self._async.pause_inference(mode))
+
+    def resume_inference(self) -> dict[str, Any]:
+        return self._run(self._async.resume_inference())
+
     def open_sandbox(self, **kwargs: Any) -> "Sandbox":
         return Sandbox(self, self._run(self._async.open_sandbox(**kwargs)))
 

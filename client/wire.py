@@ -127,6 +127,23 @@ class RolloutArgs:
     ipython: bool = True
 
 
+@dataclass
+class InferenceServerArgs:
+    address: str
+    """e.g. ``http://host:8000`` (protocol detected), ``vllm+http://...``, ``sglang+http://...``."""
+
+
+@dataclass
+class WeightVersionArgs:
+    version: str
+    """Recorded on every turn generated from now on by servers whose protocol reports none (vLLM)."""
+
+
+@dataclass
+class PauseArgs:
+    mode: Literal["keep", "abort", "wait"] = "keep"
+
+
 OPS: dict[str, type] = {
     "status": StatusArgs,
     "sandbox.open": SandboxOpenArgs,
@@ -135,11 +152,20 @@ OPS: dict[str, type] = {
     "sandbox.close": SandboxCloseArgs,
     "debug.make_arrays": MakeArraysArgs,
     "rollout": RolloutArgs,
+    "inference.add_server": InferenceServerArgs,
+    "inference.remove_server": InferenceServerArgs,
+    "inference.set_weight_version": WeightVersionArgs,
+    "inference.pause": PauseArgs,
+    "inference.resume": StatusArgs,
 }
 """Ops a node answers. The rollout pipeline registers its own (see ``register_op``)."""
 
 PINNED_OPS = frozenset({"sandbox.run", "sandbox.ipython", "sandbox.close"})
 """Ops that must go to the worker that owns ``args["sandbox_id"]``."""
+
+BROADCAST_OPS = frozenset({"inference.add_server", "inference.remove_server", "inference.set_weight_version",
+                           "inference.pause", "inference.resume"})
+"""Ops every worker must apply (each runs its own inference pool); answered once all have."""
 
 
 def register_op(name: str, args_type: type) -> None:

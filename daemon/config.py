@@ -68,6 +68,9 @@ class NodeConfig:
     """Inference servers, e.g. ``http://127.0.0.1:8000`` (protocol detected) or ``sglang+http://...``."""
     inference_api_key: str = ""
     """Bearer token sent to inference servers."""
+    inference_weight_version: str = "0"
+    """Weight version recorded for servers whose protocol reports none (vLLM); set at run time
+    with the ``inference.set_weight_version`` op."""
     tokenizer: str = ""
     """Hugging Face tokenizer folder; empty = the reference policy's bundled tokenizer."""
     init_concurrency: int = 16

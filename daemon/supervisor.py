@@ -30,7 +30,15 @@ from typing import Any
 import psutil
 import zmq
 
-from rolloutd.client.wire import CLIENT_TYPES, FINAL_TYPES, PINNED_OPS, WORKER_TYPES, MsgType, parse_args
+from rolloutd.client.wire import (
+    BROADCAST_OPS,
+    CLIENT_TYPES,
+    FINAL_TYPES,
+    PINNED_OPS,
+    WORKER_TYPES,
+    MsgType,
+    parse_args,
+)
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import (
     BadRequest,
@@ -40,6 +48,7 @@ from rolloutd.native_io.errors import (
     SandboxLost,
     ShuttingDown,
     WorkerLost,
+    error_from_code,
 )
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.zmq_loop import LoopSocket
@@ -85,6 +94,8 @@ class Pending:
     client_pid: int | None
     worker: int | None = None
     started: bool = False
+    broadcast: dict[int, Any] | None = None
+    """For ops every worker applies: worker index -> its answer header (None until it came)."""
     received_at: float = field(default_factory=time.monotonic)
 
 
@@ -210,8 +221,8 @@ class Supervisor:
 
     async def _run_worker(self, w: WorkerHandle) -> None:
         """Start the worker, and restart it whenever it dies, until shutdown."""
-        env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
         while not self.stopping:
+            env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
             state = self._worker_state(w.index)
             await asyncio.to_thread(reap_state_dir, state)
             state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -244,6 +255,10 @@ class Supervisor:
         for rid in list(w.in_flight):
             p = self.pending.get(rid)
             if p is None:
+                continue
+            if p.broadcast is not None:
+                # A worker that comes back starts from the config, which this change updates.
+                self._broadcast_answer(p, w, {"result": {"restarted": True}})
                 continue
             if p.started or p.op in PINNED_OPS:
                 self.counters["worker_lost"] += 1
@@ -293,6 +308,9 @@ class Supervisor:
         rid = header.get("id", "")
         w.in_flight.discard(rid)
         p = self.pending.get(rid)
+        if p is not None and p.broadcast is not None and w.index in p.broadcast:
+            self._broadcast_answer(p, w, header)
+            return
         if p is None or p.worker != w.index:
             # A late answer for a request already answered (e.g. WORKER_LOST): drop it, and its arrays.
             self._return_segments([ref[3] for ref in header.get("refs", []) if ref[3]])
@@ -387,6 +405,9 @@ class Supervisor:
             self._deliver(p, framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": []}))
             return
         self.pending[rid] = p
+        if op in BROADCAST_OPS:
+            self._broadcast(p)
+            return
         if op in PINNED_OPS:
             owner = self.sandbox_owner.get(args.sandbox_id)
             if owner is None or not self.workers[owner[0]].ready or self.workers[owner[0]].generation != owner[1]:
@@ -400,6 +421,43 @@ class Supervisor:
             self.queued.append(rid)
         else:
             self._dispatch(p, w)
+
+    def _broadcast(self, p: Pending) -> None:
+        live = [w for w in self.workers.values() if w.ready]
+        if not live:
+            self._answer_error(p.rid, ShuttingDown("no worker is running; retry in a moment"))
+            return
+        p.broadcast = {w.index: None for w in live}
+        for w in live:
+            w.in_flight.add(p.rid)
+            try:
+                w.send(p.frames)
+            except ConnectionError:
+                p.broadcast[w.index] = {"code": WorkerLost.code, "message": f"worker {w.index} is gone"}
+
+    def _broadcast_answer(self, p: Pending, w: WorkerHandle, header: dict[str, Any]) -> None:
+        assert p.broadcast is not None
+        p.broadcast[w.index] = header
+        if any(v is None for v in p.broadcast.values()):
+            return
+        failed = [h for h in p.broadcast.values() if "code" in h]
+        if failed:
+            self._answer_error(p.rid, error_from_code(failed[0]["code"], failed[0].get("message", "")))
+            return
+        self._remember_inference_change(p)
+        results = {str(i): h.get("result") for i, h in p.broadcast.items()}
+        self._deliver(p, framing.encode(MsgType.REPLY, {"id": p.rid, "result": {"workers": results}, "refs": []}))
+
+    def _remember_inference_change(self, p: Pending) -> None:
+        """Workers started later (restarts) get the same inference set-up through their config."""
+        args = parse_args(p.op, framing.decode(p.frames, max_bytes=1 << 62, known_types=CLIENT_TYPES)[1]["args"])
+        servers = self.config.inference_servers
+        if p.op == "inference.add_server" and args.address not in servers:
+            servers.append(args.address)
+        elif p.op == "inference.remove_server" and args.address in servers:
+            servers.remove(args.address)
+        elif p.op == "inference.set_weight_version":
+            self.config.inference_weight_version = args.version
 
     def _dispatch(self, p: Pending, w: WorkerHandle) -> None:
         p.worker = w.index

@@ -79,6 +79,11 @@ class Worker:
             "sandbox.close": self._sandbox_close,
             "debug.make_arrays": self._make_arrays,
             "rollout": self._rollout,
+            "inference.add_server": self._inference_op,
+            "inference.remove_server": self._inference_op,
+            "inference.set_weight_version": self._inference_op,
+            "inference.pause": self._inference_op,
+            "inference.resume": self._inference_op,
         }
         self.pipeline: RolloutPipeline | None = None
         self.extra_stats: list[Callable[[], dict[str, Any]]] = []
@@ -100,7 +105,8 @@ class Worker:
         limits = PipelineLimits(init=-(-cfg.init_concurrency // share), run=-(-cfg.run_concurrency // share),
                                 eval=-(-cfg.eval_concurrency // share), queue=-(-cfg.queue_limit // share))
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
-        inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None)
+        inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None,
+                                            weight_version=cfg.inference_weight_version)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
                                         cache_dir=self.state_dir / "task-cache", image=cfg.image)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
@@ -221,6 +227,21 @@ class Worker:
         trajectories = await self.pipeline.run_request(rid, args, on_start=lambda: self.send(MsgType.STARTED, {"id": rid}))
         scalars, arrays = pack_batch(trajectories)
         return {"trajectories": scalars}, arrays
+
+    async def _inference_op(self, args: Any, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        assert self.pipeline is not None
+        pool, op = self.pipeline.inference, header["op"]
+        if op == "inference.add_server":
+            await pool.add_server(args.address)
+        elif op == "inference.remove_server":
+            await pool.remove_server(args.address)
+        elif op == "inference.set_weight_version":
+            pool.set_weight_version(args.version)
+        elif op == "inference.pause":
+            await pool.pause_all(args.mode)
+        else:
+            await pool.resume_all()
+        return {"servers": pool.status().get("servers", [])}, {}
 
     async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         per = max(1, args.n_tokens // max(1, args.n_trajectories))

@@ -1,0 +1,119 @@
+"""Rollouts through the real node daemon and client: submit, as_completed, cancel, BUSY, inference
+servers added at run time, weight versions, arrays through shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon_fixtures import node_daemon
+from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.policy.model import default_model
+from rolloutd.daemon.tasks.datasets import oracle_plans
+from rolloutd.native_io.errors import Busy
+
+API_KEY = "daemon-test-key"
+
+
+@contextmanager
+def policy(plans: dict[str, list[str]], tmp: Path) -> Iterator[str]:
+    plans_file = tmp / "plans.json"
+    plans_file.write_text(json.dumps({"plans": plans}))
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.daemon.cli", "policy-server", "--port", "0",
+                             "--scripted", str(plans_file)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY})
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("READY "), line
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
+
+
+def test_bundled_rollouts_through_the_daemon(short_tmp: Path) -> None:
+    tasks = ["wordwrap-001", "semver-010", "durations-027"]
+    with policy({t: oracle_plans()[t] for t in tasks}, short_tmp) as url:
+        env = {"ROLLOUTD_INFERENCE_API_KEY": API_KEY}
+        with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "2", "--warm", "2", env=env) as address:
+            with RolloutClient(address) as client:
+                assert client.add_inference_server(url)["workers"]
+                client.set_weight_version("step-7")
+                ids = client.submit([RolloutRequest(task_id=t, n=2, sampling={"max_tokens": 1024, "seed": 1})
+                                     for t in tasks])
+                seen = []
+                for result in client.as_completed(ids, timeout_s=300):
+                    assert result.error is None, result.error
+                    for t in result.trajectories:
+                        assert (t.finish_reason, t.reward) == ("completed", 1.0), (t.finish_reason, t.error_message)
+                        assert not t.response_ids.flags.owndata  # a view into the node's shared memory
+                        assert set(t.weight_versions) == {"step-7"}
+                        full = np.concatenate([t.prompt_ids, t.response_ids])
+                        lp = default_model().sequence_logprobs(full)[len(t.prompt_ids):]
+                        m = t.response_mask == 1
+                        assert np.max(np.abs(lp[m] - t.response_logprobs[m])) <= 1e-5
+                        seen.append((t.task_id, t.sample_index))
+                    client.release(result)
+                assert sorted(seen) == sorted((t, i) for t in tasks for i in range(2))
+                st = client.status()
+                assert st["shm_segments"] == 0
+
+
+async def test_cancel_and_busy_through_the_daemon(short_tmp: Path) -> None:
+    env = {"ROLLOUTD_QUEUE_LIMIT": "4"}
+    with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "1", env=env) as address:
+        async with AsyncRolloutClient(address) as client:
+            slow = {"type": "command", "instance_id": "slow", "eval_script": "echo 1"}
+            (long_id,) = await client.submit([RolloutRequest(task=slow, agent="script", ipython=False,
+                                                             agent_config={"commands": ["sleep 60"]}, n=3)])
+            await asyncio.sleep(1.0)
+            (busy_id,) = await client.submit([RolloutRequest(task=slow, agent="script", ipython=False, n=2)])
+            busy = await client.results([busy_id], timeout_s=30)
+            assert isinstance(busy[busy_id].error, Busy)
+            t0 = time.monotonic()
+            await client.cancel(long_id)
+            result = (await client.results([long_id], timeout_s=30))[long_id]
+            assert time.monotonic() - t0 < 10
+            assert [t.finish_reason for t in result.trajectories] == ["cancelled"] * 3
+            for _ in range(50):  # workers report their pools once a second
+                st = await client.status()
+                if st["sandboxes"]["leased"] == 0:
+                    break
+                await asyncio.sleep(0.2)
+            assert st["sandboxes"]["leased"] == 0
+
+
+def test_unknown_task_is_a_clear_error(short_tmp: Path) -> None:
+    with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "0") as address:
+        with RolloutClient(address) as client:
+            (rid,) = client.submit([RolloutRequest(task_id="no-such-task")])
+            result = client.results([rid], timeout_s=30)[rid]
+            assert result.error is not None and result.error.code == "TASK" and "no-such-task" in str(result.error)
+            (rid,) = client.submit([RolloutRequest(task_id="wordwrap-001", agent="nope")])
+            assert client.results([rid], timeout_s=30)[rid].error.code == "CONFIG"
+
+
+@pytest.mark.apptainer
+def test_rollout_in_apptainer_sandboxes(short_tmp: Path) -> None:
+    with policy({"csvline-005": oracle_plans()["csvline-005"]}, short_tmp) as url:
+        env = {"ROLLOUTD_INFERENCE_API_KEY": API_KEY}
+        with node_daemon(short_tmp / "n", "--backend", "apptainer", "--workers", "1", "--warm", "1",
+                         "--inference-server", url, env=env) as address:
+            with RolloutClient(address) as client:
+                (rid,) = client.submit([RolloutRequest(task_id="csvline-005", sampling={"max_tokens": 1024})])
+                (t,) = client.results([rid], timeout_s=300)[rid].trajectories
+                assert (t.finish_reason, t.reward) == ("completed", 1.0), (t.finish_reason, t.error_message)
+                assert set(t.stage_s) == {"init", "run", "eval"}
