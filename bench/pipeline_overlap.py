@@ -3,9 +3,10 @@ time, and the ideal bound.
 
 Each rollout is a ``command`` task whose set-up sleeps INIT s, a ``script`` agent that sleeps
 RUN s, and an evaluation that sleeps EVAL s, all as real commands in real sandboxes. The ideal
-bound for a batch of N is set by the busiest stage: max over stages of N*d/slots, plus the time
-the first rollout needs to reach that stage and the last to leave it (the other stages' d), which
-no schedule can avoid.
+bound for a batch of N is set by the busiest stage: ceil(N/slots) waves of its duration d, plus
+the time the first rollout needs to reach that stage and the last to leave it (the other stages'
+d), which no schedule can avoid. The durations d are the mean stage times measured in this run
+(the sleeps plus what the commands around them cost), so the bound is one the same work could meet.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ def request(i: int) -> RolloutRequest:
                           ipython=False)
 
 
-def ideal_seconds(n: int) -> float:
-    busiest = max(DURATIONS, key=lambda s: n * DURATIONS[s] / SLOTS[s])
-    fill = sum(d for s, d in DURATIONS.items() if s != busiest)
-    return -(-n // SLOTS[busiest]) * DURATIONS[busiest] + fill
+def ideal_seconds(n: int, durations: dict[str, float]) -> float:
+    busiest = max(durations, key=lambda s: -(-n // SLOTS[s]) * durations[s])
+    fill = sum(d for s, d in durations.items() if s != busiest)
+    return -(-n // SLOTS[busiest]) * durations[busiest] + fill
 
 
-def run_batch(client: RolloutClient, requests: list[RolloutRequest]) -> float:
+def run_batch(client: RolloutClient, requests: list[RolloutRequest], stage_s: dict[str, list[float]]) -> float:
     t0 = time.monotonic()
     ids = client.submit(requests)
     for result in client.as_completed(ids, timeout_s=600):
         assert result.error is None, result.error
-        assert all(t.finish_reason == "completed" and t.reward == 1.0 for t in result.trajectories), \
-            [(t.finish_reason, t.error_message) for t in result.trajectories]
+        for t in result.trajectories:
+            assert t.finish_reason == "completed" and t.reward == 1.0, (t.finish_reason, t.error_message)
+            for stage, seconds in t.stage_s.items():
+                stage_s[stage].append(seconds)
         client.release(result)
     return time.monotonic() - t0
 
@@ -62,14 +65,19 @@ def main() -> int:
            "ROLLOUTD_RUN_CONCURRENCY": str(SLOTS["run"]), "ROLLOUTD_EVAL_CONCURRENCY": str(SLOTS["eval"])}
     with node_daemon(run_dir, *node_args, env=env) as address:
         with RolloutClient(address) as client:
+            stage_s: dict[str, list[float]] = {s: [] for s in DURATIONS}
             _wait_warm(client, n)
-            staged = run_batch(client, [request(i) for i in range(n)])
+            staged = run_batch(client, [request(i) for i in range(n)], stage_s)
             _wait_warm(client, n)
-            sequential = sum(run_batch(client, [request(1000 + i)]) for i in range(n_seq)) / n_seq
-    ideal = ideal_seconds(n)
-    results = {"staged_rps": n / staged, "sequential_rps": 1 / sequential, "ideal_rps": n / ideal}
+            sequential = sum(run_batch(client, [request(1000 + i)], {s: [] for s in DURATIONS})
+                             for i in range(n_seq)) / n_seq
+    measured = {s: sum(v) / len(v) for s, v in stage_s.items()}
+    ideal = ideal_seconds(n, measured)
+    results = {"staged_rps": n / staged, "sequential_rps": 1 / sequential, "ideal_rps": n / ideal,
+               "ideal_nominal_rps": n / ideal_seconds(n, DURATIONS)}
+    print(f"measured mean stage seconds: " + ", ".join(f"{s} {d:.3f}" for s, d in measured.items()))
     print_table(f"{n} eval-heavy rollouts (init {DURATIONS['init']} s, run {DURATIONS['run']} s, "
-                f"eval {DURATIONS['eval']} s; slots {SLOTS})", ["schedule", "rollouts/s", "batch s", "x sequential"],
+                f"eval {DURATIONS['eval']} s of sleep; slots {SLOTS})", ["schedule", "rollouts/s", "batch s", "x sequential"],
                 [["staged pipeline (ours)", results["staged_rps"], staged, results["staged_rps"] / results["sequential_rps"]],
                  ["one request at a time", results["sequential_rps"], n * sequential, 1.0],
                  ["ideal bound (busiest stage + fill)", results["ideal_rps"], ideal,

@@ -97,6 +97,8 @@ class ApptainerSandbox(Sandbox):
         self.prepare_folders()
         self.image_path = await resolve_image(self.spec.image)
         argv = self._start_argv(self.image_path)
+        if self.background:
+            argv = ["nice", "-n", "10", *argv]
         # Output goes to a file, not a pipe: the instance's daemon inherits the start command's
         # descriptors, and a pipe would then never reach EOF.
         start_log = self.lease_dir / "start.log"

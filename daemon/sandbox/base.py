@@ -92,6 +92,9 @@ class Sandbox(abc.ABC):
         """How the last stop ended (``sigterm``/``sigkill``/``exited``), for tests and logs."""
         self.session_ids: set[int] = set()
         """Sessions of the shells and kernels started here (the watchdog and stop use them)."""
+        self.background = False
+        """Started ahead of need by the warm pool: its start-up runs at a lower CPU priority so it
+        does not slow the rollouts in progress (set before ``start``)."""
 
     # Paths as seen from the host and from inside.
     @property

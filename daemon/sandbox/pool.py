@@ -230,9 +230,10 @@ class WarmPool:
 
     # --- background work --------------------------------------------------------------------
 
-    async def _start_one(self, spec: SandboxSpec) -> Lease:
+    async def _start_one(self, spec: SandboxSpec, *, background: bool = False) -> Lease:
         async with self._start_slots:
             sandbox = self.backend.create(spec)
+            sandbox.background = background
             try:
                 lease = await open_lease(sandbox)
             except Exception as e:
@@ -259,7 +260,7 @@ class WarmPool:
 
     async def _fill(self, spec: SandboxSpec) -> None:
         try:
-            lease = await self._start_one(spec)
+            lease = await self._start_one(spec, background=True)
         except Exception as e:
             log.error("warm pool: sandbox start failed: %s", e)
             await asyncio.sleep(1.0)  # do not spin on a broken image
