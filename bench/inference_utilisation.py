@@ -32,16 +32,15 @@ from rolloutd.daemon.inference import SamplingParams  # noqa: E402
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request  # noqa: E402
 from rolloutd.daemon.policy.tokenizer import load_tokenizer  # noqa: E402
 
-SLOTS, MS_PER_TOKEN = 4, 4.0
-TURNS, TOOL_S, EVAL_S = 4, 0.1, 3.0
+SLOTS, MS_PER_TOKEN = 4, 20.0
+TURNS, TOOL_S, EVAL_S = 4, 0.1, 10.0
 IN_FLIGHT = 32
 
 
 def tool_reply(turn: int) -> str:
     if turn == TURNS:
         return 'Done.\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
-    return (f"Step {turn}: let me check the environment once more before going on.\n<tool_call>\n"
-            f'{{"name": "bash", "arguments": {{"command": "sleep {TOOL_S}"}}}}\n</tool_call>')
+    return f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "sleep {TOOL_S}"}}}}\n</tool_call>'
 
 
 def task(i: int) -> dict:
