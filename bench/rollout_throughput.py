@@ -52,7 +52,7 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 assert t.finish_reason == "completed", (t.finish_reason, t.error_message)
                 turns += t.num_turns
                 rewards.append(t.reward)
-                agent_cpu.append(t.metrics.get("agent_cpu_s_per_turn", 0.0))
+                agent_cpu.extend(t.metrics.get("agent_cpu_s_per_turn", []))
             client.release(result)
             pending.discard(result.request_id)
             if submitted < total:
