@@ -31,12 +31,13 @@ def node_daemon(run_dir: Path, *args: str, env: dict[str, str] | None = None) ->
 
 
 def start_nodes(run_dirs: list[Path], *args: str, env: dict[str, str] | None = None,
-                prefix: tuple[str, ...] = ()) -> list[str]:
-    """Start detached node daemons, all at once; their addresses. ``prefix`` runs the command under
-    another (e.g. ``ip netns exec NS``)."""
-    procs = [subprocess.Popen([*prefix, *CLI, "node", "start", "--detach", "--run-dir", str(d), "--ready-timeout-s",
-                               "120", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **(env or {})}) for d in run_dirs]
+                prefixes: list[tuple[str, ...]] | None = None) -> list[str]:
+    """Start detached node daemons, all at once; their addresses. ``prefixes[i]`` runs the i-th
+    command under another (e.g. ``ip netns exec NS``)."""
+    procs = [subprocess.Popen([*(prefixes[i] if prefixes else ()), *CLI, "node", "start", "--detach", "--run-dir",
+                               str(d), "--ready-timeout-s", "120", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+             for i, d in enumerate(run_dirs)]
     addresses = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)
