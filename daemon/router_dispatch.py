@@ -36,10 +36,15 @@ class Hints:
     """For ops pinned to a sandbox: its id (the request must go to the node that has it)."""
 
 
+PLAIN = Hints()
+"""One slot, no preference: most requests."""
+
+
 def routing_hints(op: Any, args: Any) -> Hints:
     """Hints for ``op``; lenient on purpose: the node checks the args against the op's schema,
     and the router need not know every op a node has (the rollout pipeline registers its own)."""
-    args = args if isinstance(args, dict) else {}
+    if not isinstance(args, dict):
+        return PLAIN
     if op in PINNED_OPS:
         sandbox = args.get("sandbox_id")
         if not isinstance(sandbox, str) or not sandbox:
@@ -49,6 +54,8 @@ def routing_hints(op: Any, args: Any) -> Hints:
         image = args.get("image", "default")
         return Hints(image=image if isinstance(image, str) else None)
     task = args.get("task")
+    if task is None and "n" not in args:
+        return PLAIN
     task = task if isinstance(task, dict) else {}
     n = args.get("n", 1)
     instance = task.get("instance_id")
@@ -123,13 +130,23 @@ class NodeEntry:
 
 
 def pick_node(nodes: Iterable[NodeEntry], hints: Hints, preferred: NodeEntry | None = None) -> NodeEntry | None:
-    """The node for a request (see the module docstring), or None when it must wait."""
-    fitting = [n for n in nodes if n.fits(hints.cost)]
-    if not fitting:
-        return None
-    if preferred is not None and preferred in fitting:
-        return preferred
-    if hints.image is not None:
-        warm = [n for n in fitting if hints.image in n.capacity.images]
-        fitting = warm or fitting
-    return min(fitting, key=lambda n: (n.load(), n.dispatched))
+    """The node for a request (see the module docstring), or None when it must wait.
+
+    One pass, no allocation per node: this runs for every request the router dispatches.
+    """
+    cost, image = hints.cost, hints.image
+    best: NodeEntry | None = None
+    best_key: tuple[int, float, int] | None = None
+    for n in nodes:
+        slots = n.capacity.slots
+        if n.draining or not slots:
+            continue
+        used = n.cost_in_flight + len(n.sandboxes)
+        if used + cost > slots and used:
+            continue
+        if n is preferred:
+            return n
+        key = (0 if image is None or image in n.capacity.images else 1, used / slots, n.dispatched)
+        if best_key is None or key < best_key:
+            best, best_key = n, key
+    return best
