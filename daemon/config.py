@@ -65,7 +65,7 @@ class NodeConfig:
     router_public_key_file: str = ""
     """The router's CURVE public key file; with ``curve_secret_key_file``, needed for a tcp router."""
     router_slots: int = 0
-    """Requests the router may have in flight here at once; 0 = workers x warm sandboxes per worker."""
+    """Requests (samples) the router may have in flight here at once; 0 = init + run + eval concurrency."""
     node_name: str = ""
     """Name at the router; empty = hostname and run folder."""
     inference_servers: list[str] = field(default_factory=list)

@@ -57,12 +57,14 @@ def routing_hints(op: Any, args: Any) -> Hints:
     if task is None and "n" not in args:
         return PLAIN
     task = task if isinstance(task, dict) else {}
+    inline = task.get("inline") if isinstance(task.get("inline"), dict) else {}
     n = args.get("n", 1)
-    instance = task.get("instance_id")
-    image = task.get("image")
+    instance = task.get("instance_id") or inline.get("instance_id")
+    image = inline.get("image")
     return Hints(
         cost=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
-        affinity=str(instance) if isinstance(instance, (str, int)) and not isinstance(instance, bool) else None,
+        affinity=f"{task.get('dataset', '')}/{instance}" if isinstance(instance, (str, int)) and instance != ""
+        and not isinstance(instance, bool) else None,
         image=image if isinstance(image, str) else None,
     )
 

@@ -58,22 +58,23 @@ READY_TIMEOUT_S = 300.0
 
 
 def capacity_report(supervisor: Any) -> NodeCapacity:
-    """What this node offers the router. Extend here as the node learns to report more.
+    """What this node offers the router; extend here as the node learns to report more.
 
-    ``slots``: ``router_slots``, else workers x warm sandboxes per worker (one at least per
-    worker), counting ready workers only. ``free``: per pipeline stage, when the status has a
-    ``pipeline`` map of stages with ``free`` counts. ``images``: the warm image, while sandboxes
-    of it are ready.
+    ``slots`` (what the router may have in flight here): ``router_slots``, else the samples the
+    node's stages hold at once (init + run + eval concurrency); 0 until a worker is ready.
+    ``free``: per stage, the slots neither in use nor promised to a waiting sample, summed over
+    the ready workers' pipelines. ``images``: the warm image, while sandboxes of it are ready.
     """
     config: NodeConfig = supervisor.config
-    ready = sum(1 for w in supervisor.workers.values() if w.ready)
-    per_worker = max(1, config.warm_sandboxes_per_worker)
-    slots = config.router_slots if config.router_slots else ready * per_worker
-    pipeline = getattr(supervisor, "pipeline_status", None)
-    stages = pipeline() if callable(pipeline) else {}
-    free = {name: int(st["free"]) for name, st in stages.items() if isinstance(st, dict) and "free" in st}
-    warm = sum(int(w.stats.get("pool", {}).get("ready", 0)) for w in supervisor.workers.values())
-    return NodeCapacity(slots=slots if ready else 0, workers_ready=ready, in_flight=len(supervisor.pending),
+    ready = [w for w in supervisor.workers.values() if w.ready]
+    slots = config.router_slots or (config.init_concurrency + config.run_concurrency + config.eval_concurrency)
+    free: dict[str, int] = {}
+    warm = 0
+    for w in ready:
+        warm += int(w.stats.get("pool", {}).get("ready", 0))
+        for stage, st in w.stats.get("pipeline", {}).get("stages", {}).items():
+            free[stage] = free.get(stage, 0) + max(0, int(st["limit"]) - int(st["in_use"]) - int(st["waiting"]))
+    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.pending),
                         free=free, images=[config.image] if warm else [])
 
 

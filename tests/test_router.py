@@ -56,8 +56,8 @@ def _node(name: str, slots: int, images: tuple[str, ...] = ()) -> NodeEntry:
 
 def test_dispatch_keeps_a_task_together_while_it_fits() -> None:
     a, b = _node("a", 4), _node("b", 4)
-    task = routing_hints("rollout", {"task": {"instance_id": "django-123"}, "n": 2})
-    assert (task.cost, task.affinity) == (2, "django-123")
+    task = routing_hints("rollout", {"task": {"instance_id": "django-123", "dataset": "/data/swe.jsonl"}, "n": 2})
+    assert (task.cost, task.affinity) == (2, "/data/swe.jsonl/django-123")
     first = pick_node([a, b], task)
     assert first is a
     a.take("r1", 2)
@@ -143,12 +143,12 @@ def test_repeated_ids_get_one_answer_and_same_instance_one_node(fed3: Federation
         again = trainer.collect(["dup-1"], timeout_s=10, linger_s=0.3)["dup-1"]
         assert len(again) == 2 and again[1][1] == again[0][1], "a finished id is answered from the record"
         before = {n["name"]: n["dispatched"] for n in fed3.status()["nodes"]}
-        # Ops the nodes do not know are still routed (the node answers BAD_REQUEST); the same task
-        # instance lands on one node each time, where plain load balancing would rotate.
+        # The same task instance lands on one node each time, where plain load balancing would
+        # rotate (the node then says it has no such task: routing is what is tested here).
         for i in range(4):
-            trainer.send(f"inst-{i}", "rollout", {"task": {"instance_id": "repo-42"}, "n": 1})
-            got = trainer.collect([f"inst-{i}"], timeout_s=10, linger_s=0)[f"inst-{i}"]
-            assert got[0][0] == ERROR and got[0][1]["code"] == "BAD_REQUEST"
+            trainer.send(f"inst-{i}", "rollout", {"task": {"instance_id": "no-such-task-42"}, "n": 1})
+            got = trainer.collect([f"inst-{i}"], timeout_s=30, linger_s=0)[f"inst-{i}"]
+            assert got[0][0] == ERROR, got
         after = {n["name"]: n["dispatched"] for n in fed3.status()["nodes"]}
         assert sorted(after[k] - before[k] for k in after) == [0, 0, 4]
         trainer.send("", "status", {})
