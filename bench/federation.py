@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, summary_ms, time_calls, write_json  # noqa: E402
 from daemon_fixtures import router_daemon, start_nodes, stop_node  # noqa: E402
-from router_support import Federation, federation  # noqa: E402
+from router_support import Federation, federation, free_port  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
@@ -29,12 +28,6 @@ from rolloutd.daemon.curve import CurveClient, keygen  # noqa: E402
 NODE = ("--backend", "local", "--workers", "1", "--warm", "0")
 OP, ARGS = "debug.sleep", {"seconds": 0.0}
 """The probe: a request a worker answers at once, so the timing is all transport."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _p50_pair(direct: RolloutClient, routed: RolloutClient, n: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -65,7 +58,7 @@ def overhead_tcp(base: Path, n: int) -> tuple[dict[str, float], dict[str, float]
     for folder, pub in ((trainers, trainer_pub), (nodes, node_pub)):
         folder.mkdir()
         shutil.copy(pub, folder)
-    t_port, n_port, direct_port = _free_port(), _free_port(), _free_port()
+    t_port, n_port, direct_port = free_port(), free_port(), free_port()
     router_dir, node_dir = base / "router", base / "n0"
     with router_daemon(router_dir, "--tcp-bind", f"tcp://127.0.0.1:{t_port}", "--node-bind",
                        f"tcp://127.0.0.1:{n_port}", "--curve-secret-key-file", str(router_sec),
@@ -149,7 +142,8 @@ def main() -> int:
     ok = check_targets([
         (f"router_overhead_p50_ms (tcp+CURVE) {over_tcp:.3f} <= 0.5", over_tcp <= 0.5),
         (f"router_overhead_ipc_p50_ms {over_ipc:.3f} <= 0.5", over_ipc <= 0.5),
-        (f"scaling_efficiency_4 {results['scaling_efficiency_4']:.3f} >= 0.85", results["scaling_efficiency_4"] >= 0.85),
+        (f"scaling_efficiency_4 {results['scaling_efficiency_4']:.3f} >= 0.85",
+         results["scaling_efficiency_4"] >= 0.85),
     ])
     return 0 if ok else 1
 

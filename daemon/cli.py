@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rolloutd.native_io.errors import RolloutdError
 
@@ -50,19 +50,24 @@ def _cmd_node(args: argparse.Namespace) -> int:
     from . import node
 
     config = _node_config(args)
-    pidfile = node.pidfile_path(config, args.pidfile)
-    if args.node_command == "start":
-        if args.detach:
-            return node.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
-        logging.getLogger().setLevel(config.log_level)
-        return node.run_foreground(config, pidfile)
-    if args.node_command == "stop":
-        return node.stop(config, pidfile, args.timeout_s)
     if args.node_command == "drain":
         from .router_link import drain_node
 
-        return drain_node(config, pidfile, resume=args.resume, wait_s=args.wait_s)
-    return node.status(config, args.json)
+        return drain_node(config, node.pidfile_path(config, args.pidfile), resume=args.resume, wait_s=args.wait_s)
+    return _lifecycle(node, config, args, args.node_command)
+
+
+def _lifecycle(module: Any, config: Any, args: argparse.Namespace, command: str) -> int:
+    """start/stop/status of a daemon whose ``module`` is ``node`` or ``router_process``."""
+    pidfile = module.pidfile_path(config, args.pidfile)
+    if command == "start":
+        if args.detach:
+            return module.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
+        logging.getLogger().setLevel(config.log_level)
+        return module.run_foreground(config, pidfile)
+    if command == "stop":
+        return module.stop(config, pidfile, args.timeout_s)
+    return module.status(config, args.json)
 
 
 def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -120,15 +125,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         names = ("run_dir", "tcp_bind", "node_bind", "curve_secret_key_file", "client_keys_dir", "node_keys_dir",
                  "heartbeat_interval_s", "heartbeat_timeout_s", "log_level")
         config = load_router_config(args.config, {k: getattr(args, k, None) for k in names})
-    pidfile = router_process.pidfile_path(config, args.pidfile)
-    if args.router_command == "start":
-        if args.detach:
-            return router_process.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
-        logging.getLogger().setLevel(config.log_level)
-        return router_process.run_foreground(config, pidfile)
-    if args.router_command == "stop":
-        return router_process.stop(config, pidfile, args.timeout_s)
-    return router_process.status(config, args.json)
+    return _lifecycle(router_process, config, args, args.router_command)
 
 
 def _add_router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

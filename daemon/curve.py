@@ -70,7 +70,8 @@ def load_keypair(secret_key_file: str | os.PathLike[str]) -> tuple[bytes, bytes]
     try:
         public, secret = zmq.auth.load_certificate(os.fspath(secret_key_file))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read CURVE key file {secret_key_file}: {e}; create one with `rolloutd keygen`") from e
+        raise ConfigError(f"cannot read CURVE key file {secret_key_file}: {e}; "
+                          "create one with `rolloutd keygen`") from e
     if not secret:
         raise ConfigError(f"{secret_key_file} holds no secret key; give the .key_secret file made by `rolloutd keygen`")
     return public, secret
@@ -152,7 +153,8 @@ def _handshake_reason(event: dict[str, Any]) -> str:
     elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         reason = f"protocol error {zmq.Event(value).name} (a peer without CURVE keys, or a wrong server key)"
     else:
-        reason = f"handshake failed (errno {value}: {os.strerror(value)}; a peer without CURVE keys, or a wrong server key)"
+        reason = (f"handshake failed (errno {value}: {os.strerror(value)}; "
+                  "a peer without CURVE keys, or a wrong server key)")
     return f"{reason} on {event['endpoint'].decode(errors='replace')}"
 
 

@@ -259,7 +259,8 @@ class Router:
             node = self.sandboxes.get(hints.sandbox)
             if node is None:
                 self._answer_error(p, SandboxLost(
-                    f"no open sandbox {hints.sandbox!r} behind this router (closed, or its node is gone); open a new one"))
+                    f"no open sandbox {hints.sandbox!r} behind this router (closed, or its node is gone); "
+                    "open a new one"))
             else:
                 self._send_to(p, node)
             return
@@ -425,7 +426,8 @@ class Router:
                     f"node {node.name}, which held sandbox {p.hints.sandbox}, is gone ({reason}); open a new sandbox"))
             elif p.attempts + 1 >= self.config.max_attempts:
                 self._answer_error(p, NodeLost(
-                    f"request {rid} ({p.op}) lost {p.attempts + 1} nodes (max_attempts), the last {node.name}: {reason}"))
+                    f"request {rid} ({p.op}) lost {p.attempts + 1} nodes (max_attempts), "
+                    f"the last {node.name}: {reason}"))
             else:
                 p.attempts += 1
                 p.queued_at = time.monotonic()

@@ -227,9 +227,9 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
 
 def drain_node(config: NodeConfig, pidfile: Path, *, resume: bool, wait_s: float) -> int:
     """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    from .node import _daemon_pid
+    from .lifecycle import daemon_pid
 
-    pid = _daemon_pid(pidfile)
+    pid = daemon_pid(pidfile)
     state = read_state(config.run_path)
     if pid is None:
         raise RolloutdError(f"no node daemon running for {config.run_path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,6 +77,13 @@ def federation(base: Path, n_nodes: int, *, router_args: tuple[str, ...] = FAST_
             for d in fed.node_dirs:
                 if d in fed.pids:
                     stop_node(d, fed.pids[d])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 class RawTrainer:

@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from daemon_fixtures import CLI, start_nodes, start_router, stop_node, stop_router
-from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation
+from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation, free_port
 from rolloutd.client.async_client import AsyncRolloutClient
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.client.wire import MsgType, NodeCapacity
@@ -271,12 +269,6 @@ def test_router_restart_nodes_register_again(short_tmp: Path) -> None:
 # --- security ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _keygen(folder: Path, name: str) -> tuple[Path, Path]:
     out = subprocess.run([*CLI, "keygen", name, "--dir", str(folder)], capture_output=True, text=True, check=True)
     public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
@@ -299,7 +291,7 @@ def test_tcp_needs_listed_keys_and_refuses_and_logs_the_rest(short_tmp: Path, mo
     unkeyed = subprocess.run([*CLI, "router", "start", "--run-dir", str(short_tmp / "x"), "--tcp-bind",
                               "tcp://127.0.0.1:1"], capture_output=True, text=True)
     assert unkeyed.returncode == 2 and "never listens on TCP without authentication" in unkeyed.stderr
-    trainer_port, node_port = _free_port(), _free_port()
+    trainer_port, node_port = free_port(), free_port()
     router_dir = short_tmp / "router"
     router_args = (*FAST_HEARTBEATS, "--tcp-bind", f"tcp://127.0.0.1:{trainer_port}", "--node-bind",
                    f"tcp://127.0.0.1:{node_port}", "--curve-secret-key-file", str(router_sec),
@@ -369,7 +361,8 @@ def test_apptainer_sandboxes_on_two_nodes(short_tmp: Path) -> None:
         boxes = [c.open_sandbox(ipython=True) for _ in range(2)]
         try:
             assert all(b.info["backend"] == "apptainer" and b.info["isolated"] for b in boxes)
-            assert {b.info["workspace"] for b in boxes} and all(b.run("head -1 /etc/os-release").output.startswith('PRETTY_NAME="Debian') for b in boxes)
+            for b in boxes:
+                assert b.run("head -1 /etc/os-release").output.startswith('PRETTY_NAME="Debian')
             assert [b.ipython("6 * 7").result for b in boxes] == ["42", "42"]
             owners = {n["name"]: n["sandboxes"] for n in fed.status()["nodes"]}
             assert sorted(owners.values()) == [1, 1], "one sandbox per node (one slot each)"
