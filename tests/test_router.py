@@ -20,7 +20,7 @@ import pytest
 
 from daemon_fixtures import CLI, start_nodes, start_router, stop_node, stop_router
 from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation, free_port
-from rolloutd.client.async_client import AsyncRolloutClient
+from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.client.wire import MsgType, NodeCapacity
 from rolloutd.daemon.curve import CurveClient
@@ -153,6 +153,29 @@ def test_repeated_ids_get_one_answer_and_same_instance_one_node(fed3: Federation
         assert trainer.collect([""], timeout_s=5, linger_s=0)[""][0][1]["code"] == "BAD_REQUEST"
     finally:
         trainer.close()
+
+
+async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
+    # The evaluation's reward is the index of the node folder the sample ran in.
+    where = " ".join(f"*/n{i}/*) echo {i};;" for i in range(3))
+
+    def task(iid: str) -> RolloutRequest:
+        record = {"type": "command", "instance_id": iid, "setup_script": "sleep 0.2",
+                  "eval_script": f'case "$PWD" in {where} *) echo 9;; esac'}
+        return RolloutRequest(task=record, agent="script", agent_config={"commands": ["true"]}, ipython=False)
+
+    async with AsyncRolloutClient(fed3.address, timeout_s=60) as c:
+        # Two requests per task instance, interleaved; each node has two slots.
+        ids = await c.submit([task(iid) for iid in ("alpha", "beta", "gamma") * 2])
+        results = await c.results(ids, timeout_s=60)
+    by_task: dict[str, set[float]] = collections.defaultdict(set)
+    for rid, result in results.items():
+        assert result.error is None, result.error
+        (traj,) = result.trajectories
+        assert traj.finish_reason == "completed" and "error" not in traj.metrics["eval"], traj.metrics
+        by_task[traj.task_id].add(traj.reward)
+    assert all(len(nodes) == 1 for nodes in by_task.values()), by_task
+    assert sorted(r for nodes in by_task.values() for r in nodes) == [0.0, 1.0, 2.0], "one node per task"
 
 
 # --- failures --------------------------------------------------------------------------------------
