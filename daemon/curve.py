@@ -129,7 +129,7 @@ class SocketEvents:
     Close it before the socket's context is terminated.
     """
 
-    def __init__(self, sock: zmq.Socket[Any], events: int, on_event: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], events: int, on_event: Callable[[Any], None]) -> None:
         self.sock = sock
         self.on_event = on_event
         self.monitor = LoopSocket(sock.get_monitor_socket(events),

@@ -253,7 +253,7 @@ class Router:
             self._send(sock, client, _error_frames(rid, e))
             return
         self.counters["requests"] += 1
-        p = Pending(rid, client, sock, op, frames, hints)
+        p = Pending(rid, client, sock, op if isinstance(op, str) else repr(op), frames, hints)
         self.pending[rid] = p
         if hints.sandbox is not None:
             node = self.sandboxes.get(hints.sandbox)

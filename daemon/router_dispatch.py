@@ -57,7 +57,8 @@ def routing_hints(op: Any, args: Any) -> Hints:
     if task is None and "n" not in args:
         return PLAIN
     task = task if isinstance(task, dict) else {}
-    inline = task.get("inline") if isinstance(task.get("inline"), dict) else {}
+    inline = task.get("inline")
+    inline = inline if isinstance(inline, dict) else {}
     n = args.get("n", 1)
     instance = task.get("instance_id") or inline.get("instance_id")
     image = inline.get("image")

@@ -155,18 +155,18 @@ def test_repeated_ids_get_one_answer_and_same_instance_one_node(fed3: Federation
         trainer.close()
 
 
-async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
-    # The evaluation's reward is the index of the node folder the sample ran in.
+def _located(iid: str, commands: list[str]) -> RolloutRequest:
+    """A real rollout (script agent, inline command task) whose reward is the index of the node
+    folder it ran in."""
     where = " ".join(f"*/n{i}/*) echo {i};;" for i in range(3))
+    record = {"type": "command", "instance_id": iid, "eval_script": f'case "$PWD" in {where} *) echo 9;; esac'}
+    return RolloutRequest(task=record, agent="script", agent_config={"commands": commands}, ipython=False)
 
-    def task(iid: str) -> RolloutRequest:
-        record = {"type": "command", "instance_id": iid, "setup_script": "sleep 0.2",
-                  "eval_script": f'case "$PWD" in {where} *) echo 9;; esac'}
-        return RolloutRequest(task=record, agent="script", agent_config={"commands": ["true"]}, ipython=False)
 
+async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
     async with AsyncRolloutClient(fed3.address, timeout_s=60) as c:
         # Two requests per task instance, interleaved; each node has two slots.
-        ids = await c.submit([task(iid) for iid in ("alpha", "beta", "gamma") * 2])
+        ids = await c.submit([_located(iid, ["sleep 0.2"]) for iid in ("alpha", "beta", "gamma") * 2])
         results = await c.results(ids, timeout_s=60)
     by_task: dict[str, set[float]] = collections.defaultdict(set)
     for rid, result in results.items():
@@ -181,23 +181,24 @@ async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
 # --- failures --------------------------------------------------------------------------------------
 
 
-def test_node_killed_mid_batch_every_request_answered_once(short_tmp: Path) -> None:
+def test_node_killed_mid_batch_every_trajectory_answered_once(short_tmp: Path) -> None:
     # A long heartbeat timeout: the router must notice the closed connection itself.
     with federation(short_tmp, 3, router_args=("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "30")) as fed:
         trainer = RawTrainer(fed.address)
         try:
-            ids = [f"k{i}" for i in range(18)]
-            for rid in ids:
-                trainer.send(rid, "debug.sleep", {"seconds": 0.5, "n_tokens": 8})
-            time.sleep(0.25)  # six running (two per node), twelve waiting at the router
-            victim = fed.node_pid(1)
-            os.kill(victim, signal.SIGKILL)
-            answers = trainer.collect(ids, timeout_s=30, linger_s=1.0)
+            ids = [f"k{i}" for i in range(12)]
+            for rid in ids:  # six start at once (two per node), six wait at the router
+                trainer.send(rid, "rollout", _located(rid, ["sleep 0.6"]).to_args())
+            _wait_state(fed, str(fed.node_dirs[1]), "ready", busy=True)
+            os.kill(fed.node_pid(1), signal.SIGKILL)
+            answers = trainer.collect(ids, timeout_s=60, linger_s=1.0)
         finally:
             trainer.close()
         assert all(len(answers[i]) == 1 for i in ids), {i: len(a) for i, a in answers.items()}
-        assert all(a[0][0] == REPLY and a[0][2] == 4 for a in answers.values()), "every answer a reply with its arrays"
-        assert str(fed.node_dirs[1]) not in {a[0][1]["result"]["run_dir"] for a in answers.values()}
+        assert all(a[0][0] == REPLY and a[0][2] == 6 for a in answers.values()), "replies with their six arrays"
+        trajectories = [t for a in answers.values() for t in a[0][1]["result"]["trajectories"]]
+        assert len(trajectories) == 12 and {t["finish_reason"] for t in trajectories} == {"completed"}
+        assert {t["reward"] for t in trajectories} == {0.0, 2.0}, "all from the nodes that lived"
         st = fed.status()
         assert len(st["nodes"]) == 2 and st["counters"]["node_lost"] == 1 and st["counters"]["redispatched"] == 2
         assert st["in_flight"] == 0
@@ -270,11 +271,15 @@ def test_drain_finishes_what_it_has_takes_nothing_new_then_resumes(short_tmp: Pa
     assert bad.returncode == 2 and "no node daemon running" in bad.stderr
 
 
-def _wait_state(fed: Federation, run_dir: str, state: str, timeout_s: float = 10.0) -> None:
+def _wait_state(fed: Federation, run_dir: str, state: str, timeout_s: float = 10.0, busy: bool = False) -> None:
+    """Until the router sees the node on ``run_dir`` in ``state`` (and, if ``busy``, with work)."""
     deadline = time.monotonic() + timeout_s
-    while [n["state"] for n in fed.status()["nodes"] if n["name"].endswith(f":{run_dir}")] != [state]:
+    while True:
+        nodes = [n for n in fed.status()["nodes"] if n["name"].endswith(f":{run_dir}")]
+        if [n["state"] for n in nodes] == [state] and (not busy or nodes[0]["in_flight"]):
+            return
         assert time.monotonic() < deadline, f"{run_dir} never became {state}: {fed.status()['nodes']}"
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def test_router_restart_nodes_register_again(short_tmp: Path) -> None:
