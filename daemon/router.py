@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from rolloutd.client.wire import (
+    BROADCAST_OPS,
     CLIENT_TYPES,
     MsgType,
     NodeBye,
@@ -63,6 +64,7 @@ from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
 from .curve import CurveServer, SocketEvents
+from .router_broadcast import REPLAY_PREFIX, TYPE_ERROR, Broadcast, BroadcastOps, InferenceSetup, as_bytes
 from .router_config import RouterConfig
 from .router_dispatch import Hints, NodeEntry, pick_node, routing_hints
 from .supervisor import MAX_ID_LEN, _salvage_id
@@ -73,8 +75,6 @@ CACHE_ANSWER_MAX_BYTES = 64 * 1024
 """Answers without arrays up to this size are kept for repeats; others are only marked answered."""
 AFFINITY_MAX = 65536
 """Task instances remembered -> node (oldest forgotten first)."""
-TYPE_ERROR = bytes((MsgType.ERROR,))
-TYPE_REPLY = bytes((MsgType.REPLY,))
 NODE_TYPES = frozenset({MsgType.NODE})
 
 
@@ -94,9 +94,11 @@ class Pending:
     attempts: int = 0
     """Nodes that died under it so far."""
     queued_at: float = field(default_factory=time.monotonic)
+    broadcast: Broadcast | None = None
+    """For ops every node applies: their answers so far."""
 
 
-class Router:
+class Router(BroadcastOps):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -112,6 +114,7 @@ class Router:
         self.completed: OrderedDict[str, tuple[float, list[bytes] | None]] = OrderedDict()
         self.sandboxes: dict[str, NodeEntry] = {}
         self.affinity: OrderedDict[str, bytes] = OrderedDict()
+        self.inference = InferenceSetup()
         self.local_peers: set[bytes] = set()
         """Routing ids on the ipc sockets whose uid was checked."""
         self.allowed_uids = {os.getuid(), 0}
@@ -255,6 +258,9 @@ class Router:
         self.counters["requests"] += 1
         p = Pending(rid, client, sock, op if isinstance(op, str) else repr(op), frames, hints)
         self.pending[rid] = p
+        if op in BROADCAST_OPS:
+            self._broadcast(p)
+            return
         if hints.sandbox is not None:
             node = self.sandboxes.get(hints.sandbox)
             if node is None:
@@ -269,7 +275,7 @@ class Router:
 
     def _cancel(self, rid: str) -> None:
         p = self.pending.get(rid)
-        if p is None:
+        if p is None or p.broadcast is not None:  # a broadcast is quick and must reach every node
             return
         if p.node is None:
             with contextlib.suppress(ValueError):
@@ -331,7 +337,13 @@ class Router:
         if not envelope:
             self._on_membership(node_id, node, frames[2:])
             return
+        if envelope.startswith(REPLAY_PREFIX):
+            self._on_replay_answer(node_id, envelope, frames[2:])
+            return
         p = self.pending.get(envelope.decode(errors="replace"))
+        if node is not None and p is not None and p.broadcast is not None and node_id in p.broadcast.answers:
+            self._broadcast_answer(node, p, frames[2:])
+            return
         if node is None or p is None or p.node is not node:
             # A presumed-dead node's late answer, or one for an id already answered elsewhere:
             # dropped here, arrays included, so the trainer never sees a second answer.
@@ -395,14 +407,20 @@ class Router:
             self.counters["nodes_joined"] += 1
             log.info("node %s joined from %s (pid %d, %d slots%s)", msg.name, msg.host, msg.pid, msg.capacity.slots,
                      ", draining" if msg.draining else "")
+            # Before any request: the inference set-up the others have (it keeps the order).
+            for envelope, frames in self.inference.replay():
+                self._send_raw(node_id, envelope, frames)
         node.capacity, node.draining, node.last_seen = msg.capacity, msg.draining, time.monotonic()
         self._send_node(node_id, RouterWelcome(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s))
         self._flush()
 
     def _send_node(self, node_id: bytes, msg: Any) -> bool:
+        return self._send_raw(node_id, b"", node_message(msg))
+
+    def _send_raw(self, node_id: bytes, envelope: bytes, frames: list[Any]) -> bool:
         assert self.node_sock is not None
         try:
-            self.node_sock.send([node_id, b"", *node_message(msg)])
+            self.node_sock.send([node_id, envelope, *frames])
             return True
         except zmq.ZMQError:
             return False
@@ -419,6 +437,11 @@ class Router:
         for rid in list(node.in_flight):
             p = self.pending.get(rid)
             if p is None:
+                continue
+            if p.broadcast is not None:
+                p.broadcast.drop(node.identity, reason)
+                if p.broadcast.complete:
+                    self._finish_broadcast(p)
                 continue
             p.node = None
             if p.hints.sandbox is not None:
@@ -484,11 +507,11 @@ class Router:
     def _deliver(self, p: Pending, frames: list[Any]) -> None:
         """The one place a final answer leaves: exactly once per accepted id."""
         del self.pending[p.rid]
-        type_byte = _bytes(frames[0])
+        type_byte = as_bytes(frames[0])
         self.counters["errors" if type_byte == TYPE_ERROR else "replies"] += 1
         keep = None
         if len(frames) == 2 and len(_view(frames[1])) <= CACHE_ANSWER_MAX_BYTES:
-            keep = [type_byte, _bytes(frames[1])]
+            keep = [type_byte, as_bytes(frames[1])]
         self.completed[p.rid] = (time.monotonic(), keep)
         self._send(p.sock, p.client, frames)
         if self.waiting:
@@ -515,16 +538,13 @@ class Router:
             "uptime_s": time.time() - self.started_at,
             "nodes": [n.status(now) for n in self.nodes.values()],
             "in_flight": len(self.pending), "waiting": len(self.waiting), "sandboxes": len(self.sandboxes),
+            "inference_setup_ops": len(self.inference),
             "counters": dict(self.counters),
         }
 
 
 def _error_frames(rid: str, e: RolloutdError) -> list[bytes]:
     return framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": {}})
-
-
-def _bytes(frame: Any) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.bytes
 
 
 def _view(frame: Any) -> Any:

@@ -89,6 +89,8 @@ class NodeEntry:
     sandboxes: set[str] = field(default_factory=set)
     dispatched: int = 0
     answered: int = 0
+    setup_applied: int = 0
+    """Inference set-up ops (weight version, servers) replayed to it when it joined, and applied."""
 
     @property
     def slots(self) -> int:
@@ -126,7 +128,7 @@ class NodeEntry:
             "slots": self.slots, "used": self.used, "load": round(self.load(), 3) if self.slots else None,
             "in_flight": len(self.in_flight), "sandboxes": len(self.sandboxes),
             "heartbeat_age_s": round(now - self.last_seen, 3), "up_s": round(now - self.joined_at, 1),
-            "dispatched": self.dispatched, "answered": self.answered,
+            "dispatched": self.dispatched, "answered": self.answered, "setup_applied": self.setup_applied,
             "reported": {"workers_ready": self.capacity.workers_ready, "in_flight": self.capacity.in_flight,
                          "free": self.capacity.free, "images": self.capacity.images},
         }

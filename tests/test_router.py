@@ -184,6 +184,8 @@ async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
 def test_node_killed_mid_batch_every_trajectory_answered_once(short_tmp: Path) -> None:
     # A long heartbeat timeout: the router must notice the closed connection itself.
     with federation(short_tmp, 3, router_args=("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "30")) as fed:
+        with RolloutClient(fed.address) as c:  # applied by every node, and by any that joins later
+            assert sorted(c.set_weight_version("w7")["nodes"]) == sorted(n["name"] for n in fed.status()["nodes"])
         trainer = RawTrainer(fed.address)
         try:
             ids = [f"k{i}" for i in range(12)]
@@ -206,6 +208,8 @@ def test_node_killed_mid_batch_every_trajectory_answered_once(short_tmp: Path) -
         fed.start([1])
         st = fed.wait_nodes(3)
         assert str(fed.node_dirs[1]) in _batch(fed.address, 6, 0.2), "the node that came back is used again"
+        back = [n for n in fed.status()["nodes"] if n["name"].endswith(f":{fed.node_dirs[1]}")]
+        assert back[0]["setup_applied"] == 1, "it got the weight version the others have"
 
 
 def _batch(address: str, n: int, seconds: float) -> collections.Counter[str]:
