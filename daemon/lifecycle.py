@@ -10,6 +10,7 @@ and a non-zero exit code, leaving nothing behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -159,16 +160,21 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def query_status(address: str) -> dict[str, Any] | None:
-    """The running daemon's status, or None after saying on stderr why there is none."""
+def show_status(address: str, as_json: bool, describe: Callable[[dict[str, Any]], None]) -> int:
+    """Print the running daemon's status (JSON, or ``describe``'s lines); 3 when there is none."""
     from rolloutd.client.sync_client import RolloutClient
 
     try:
         with RolloutClient(address, timeout_s=5.0) as client:
-            return client.status()
+            st = client.status()
     except DaemonUnavailable as e:
         print(str(e), file=sys.stderr)
-        return None
+        return 3
+    if as_json:
+        print(json.dumps(st, indent=2))
+    else:
+        describe(st)
+    return 0
 
 
 def tail(path: Path, n: int = 2000) -> str:

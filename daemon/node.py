@@ -5,10 +5,10 @@ for what ``start --detach`` promises); a stopped or failed node leaves no sandbo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 
 from rolloutd.native_io import shm
@@ -69,12 +69,10 @@ def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
 
 
 def status(config: NodeConfig, as_json: bool) -> int:
-    st = lifecycle.query_status(config.address)
-    if st is None:
-        return 3
-    if as_json:
-        print(json.dumps(st, indent=2))
-        return 0
+    return lifecycle.show_status(config.address, as_json, _describe)
+
+
+def _describe(st: dict[str, Any]) -> None:
     print(f"node daemon pid {st['pid']} at {st['address']}, up {st['uptime_s']:.0f} s, "
           f"memory {st['memory_rss_bytes'] / 2**20:.0f} MiB")
     print(f"requests in flight {st['in_flight']}, queued {st['queued']}, shm segments {st['shm_segments']}")
@@ -84,4 +82,3 @@ def status(config: NodeConfig, as_json: bool) -> int:
               f"gen {w['generation']} in flight {w['in_flight']}")
     for k, v in st.get("pipeline", {}).items():
         print(f"  stage {k}: {v}")
-    return 0

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import lifecycle
 from .lifecycle import DaemonProcess, daemon_pid
@@ -60,12 +60,10 @@ def status(config: RouterConfig, as_json: bool) -> int:
     if not config.socket_path.exists():
         print(f"no router at {config.address}; start one with `rolloutd router start`", file=sys.stderr)
         return 3
-    st = lifecycle.query_status(config.address)
-    if st is None:
-        return 3
-    if as_json:
-        print(json.dumps(st, indent=2))
-        return 0
+    return lifecycle.show_status(config.address, as_json, _describe)
+
+
+def _describe(st: dict[str, Any]) -> None:
     print(f"router pid {st['pid']} on {st['host']}, up {st['uptime_s']:.0f} s; trainers at {st['address']}"
           f"{' and ' + st['tcp'] if st['tcp'] else ''}; nodes at {st['nodes_address']}")
     print(f"requests in flight {st['in_flight']}, waiting for a slot {st['waiting']}, open sandboxes {st['sandboxes']}")
@@ -76,4 +74,3 @@ def status(config: RouterConfig, as_json: bool) -> int:
         load = "-" if n["load"] is None else f"{n['load']:.2f}"
         print(f"  {n['name'][:32]:<32} {n['state']:<9} {n['slots']:>5} {n['used']:>5} {load:>5} "
               f"{n['in_flight']:>9} {n['heartbeat_age_s']:>8.1f}s")
-    return 0
