@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, OperationTimeout, RolloutdError, error_from_code
+from rolloutd.native_io.errors import Cancelled, OperationTimeout, PermissionDenied, RolloutdError, error_from_code
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
@@ -93,8 +93,10 @@ class AsyncRolloutClient:
         self.timeout_s = timeout_s
         self.array_transport = ("shm" if self.address.startswith("ipc://") else "frames") if arrays == "auto" else arrays
         self._curve = curve
+        """Keys for a tcp:// address (``rolloutd.daemon.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
         self._ctx: zmq.Context[Any] | None = None
         self._sock: LoopSocket | None = None
+        self._handshakes: Any = None
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._rollouts: dict[str, asyncio.Future[Reply]] = {}
         self._held_segments: set[str] = set()
@@ -106,10 +108,17 @@ class AsyncRolloutClient:
         if self._sock is not None:
             return self
         check_ipc_reachable(self.address)
+        if self._curve is None and self.address.startswith("tcp://"):
+            from rolloutd.daemon.curve import CurveClient
+
+            self._curve = CurveClient.from_env()
         self._ctx = zmq.Context()
         sock = make_socket(self._ctx, zmq.DEALER, identity=uuid.uuid4().bytes)
         if self._curve is not None:
+            from rolloutd.daemon.curve import watch_handshakes
+
             self._curve.apply_client(sock)
+            self._handshakes = watch_handshakes(sock, self._refused)
         sock.connect(self.address)
         self._sock = LoopSocket(sock, self._on_message)
         return self
@@ -122,6 +131,9 @@ class AsyncRolloutClient:
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(Cancelled("client closed"))
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
         if self._sock is not None:
             self._sock.close(linger_ms=500)
             self._sock = None
@@ -163,6 +175,14 @@ class AsyncRolloutClient:
             fut.set_result(self._reply(header, buffers))
         except RolloutdError as e:
             fut.set_exception(e)
+
+    def _refused(self, reason: str) -> None:
+        """The server refused the handshake (unknown key, wrong server key): fail the calls now."""
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(PermissionDenied(
+                    f"{self.address} refused this client: {reason}; its operator must add your public key "
+                    "(.key file) to the allowed-keys folder, and ROLLOUTD_CURVE_SERVER_KEY must be its key"))
 
     def _reply(self, header: dict[str, Any], buffers: list[Any]) -> Reply:
         refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs", [])]

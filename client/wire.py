@@ -18,6 +18,7 @@ from enum import IntEnum
 from typing import Any, Literal
 
 from rolloutd.native_io.errors import BadRequest
+from rolloutd.native_io.framing import encode
 
 
 class MsgType(IntEnum):
@@ -38,7 +39,7 @@ class MsgType(IntEnum):
     STATS = 18
     """worker -> supervisor: periodic ``stats`` (pool, queues, memory)."""
     NODE = 32
-    """node <-> router: membership (register, heartbeat, drain); see the router module."""
+    """node <-> router: membership; the header's ``kind`` names one of ``NODE_KINDS`` below."""
 
 
 CLIENT_TYPES = frozenset({MsgType.REQUEST, MsgType.CANCEL, MsgType.RELEASE})
@@ -144,6 +145,15 @@ class PauseArgs:
     mode: Literal["keep", "abort", "wait"] = "keep"
 
 
+@dataclass
+class SleepArgs:
+    """Sleep, then say where it ran: work that is not CPU-bound (dispatch tests and benches)."""
+
+    seconds: float
+    n_tokens: int = 0
+    """Also return synthetic token arrays of this many tokens (as ``debug.make_arrays``)."""
+
+
 OPS: dict[str, type] = {
     "status": StatusArgs,
     "sandbox.open": SandboxOpenArgs,
@@ -157,6 +167,7 @@ OPS: dict[str, type] = {
     "inference.set_weight_version": WeightVersionArgs,
     "inference.pause": PauseArgs,
     "inference.resume": StatusArgs,
+    "debug.sleep": SleepArgs,
 }
 """Ops a node answers. The rollout pipeline registers its own (see ``register_op``)."""
 
@@ -191,6 +202,103 @@ class ExecuteResult:
     duration_s: float = 0.0
     displays: list[str] = field(default_factory=list)
     kernel_restarted: bool = False
+
+
+# --- node <-> router membership -------------------------------------------------------------
+# Frames: [empty envelope][NODE][header {"v", "kind", ...fields of the kind's dataclass}].
+# Requests and answers between router and node travel as [request id][type][header][buffers...]
+# (the id as envelope lets the router route an answer without decoding its header).
+
+
+@dataclass
+class NodeCapacity:
+    """What a node offers; sent with ``register`` and every ``heartbeat``."""
+
+    slots: int
+    """Requests (rollout samples) the router may have in flight on this node at once; 0 = not ready."""
+    workers_ready: int
+    in_flight: int
+    """Requests the node itself holds (running or queued), whoever sent them."""
+    free: dict[str, int] = field(default_factory=dict)
+    """Free slots per pipeline stage (``init``, ``run``, ``eval``) when the node reports stages."""
+    images: list[str] = field(default_factory=list)
+    """Images this node keeps warm sandboxes of."""
+
+
+@dataclass
+class NodeRegister:
+    """node -> router: join (again); the router answers ``welcome``."""
+
+    name: str
+    """Stable name of the node (a restarted node keeps it; its old incarnation is dropped)."""
+    incarnation: str
+    """Random per process start: answers from an older process are never taken for this one's."""
+    host: str
+    pid: int
+    capacity: NodeCapacity
+    draining: bool = False
+
+
+@dataclass
+class NodeHeartbeat:
+    """node -> router, every ``heartbeat_interval_s`` and at once when draining changes."""
+
+    capacity: NodeCapacity
+    draining: bool = False
+    """True: finish what it has, take nothing new (ops on its open sandboxes still come)."""
+
+
+@dataclass
+class NodeBye:
+    """node -> router: leaving now; the router re-dispatches what it had there."""
+
+    reason: str = ""
+
+
+@dataclass
+class RouterWelcome:
+    """router -> node: registered; heartbeat at this interval or be dropped after the timeout."""
+
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass
+class RouterUnknown:
+    """router -> node: a heartbeat from a node it does not know (it restarted, or dropped the
+    node for silence); the node registers again."""
+
+    reason: str = ""
+
+
+@dataclass
+class RouterPing:
+    """router -> node: a probe whose only use is to fail on a connection that is gone."""
+
+
+NODE_KINDS: dict[str, type] = {
+    "register": NodeRegister,
+    "heartbeat": NodeHeartbeat,
+    "bye": NodeBye,
+    "welcome": RouterWelcome,
+    "unknown": RouterUnknown,
+    "ping": RouterPing,
+}
+_KIND_OF = {cls: kind for kind, cls in NODE_KINDS.items()}
+
+
+def node_message(msg: Any) -> list[bytes]:
+    """The frames (type onward) of a membership message."""
+    return encode(MsgType.NODE, {"kind": _KIND_OF[type(msg)], **to_fields(msg)})
+
+
+def parse_node_message(header: dict[str, Any]) -> Any:
+    """The membership dataclass a NODE header carries, or BadRequest."""
+    kind = header.get("kind")
+    if kind not in NODE_KINDS:
+        raise BadRequest(f"unknown node message kind {kind!r}; known: {sorted(NODE_KINDS)}")
+    fields = {k: v for k, v in header.items() if k not in ("v", "kind")}
+    return from_fields(NODE_KINDS[kind], fields, where=f"node message {kind}")
 
 
 # --- schema checking ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rolloutd.native_io.errors import RolloutdError
 
@@ -39,6 +39,9 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
         "run_dir": args.run_dir, "workers": args.workers, "backend": args.backend, "image": args.image,
         "warm_sandboxes_per_worker": args.warm, "router": args.router, "tcp_bind": args.tcp_bind,
         "inference_servers": args.inference_server, "log_level": args.log_level,
+        "node_name": args.node_name, "router_public_key_file": args.router_public_key_file,
+        "router_slots": args.router_slots, "curve_secret_key_file": args.curve_secret_key_file,
+        "curve_allowed_keys_dir": args.curve_allowed_keys_dir,
     }
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
@@ -47,29 +50,40 @@ def _cmd_node(args: argparse.Namespace) -> int:
     from . import node
 
     config = _node_config(args)
-    pidfile = node.pidfile_path(config, args.pidfile)
-    if args.node_command == "start":
+    if args.node_command == "drain":
+        from .router_link import drain_node
+
+        return drain_node(config, node.pidfile_path(config, args.pidfile), resume=args.resume, wait_s=args.wait_s)
+    return _lifecycle(node, config, args, args.node_command)
+
+
+def _lifecycle(module: Any, config: Any, args: argparse.Namespace, command: str) -> int:
+    """start/stop/status of a daemon whose ``module`` is ``node`` or ``router_process``."""
+    pidfile = module.pidfile_path(config, args.pidfile)
+    if command == "start":
         if args.detach:
-            return node.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
+            return module.start_detached(config, pidfile, args.log_file, args.ready_timeout_s)
         logging.getLogger().setLevel(config.log_level)
-        return node.run_foreground(config, pidfile)
-    if args.node_command == "stop":
-        return node.stop(config, pidfile, args.timeout_s)
-    return node.status(config, args.json)
+        return module.run_foreground(config, pidfile)
+    if command == "stop":
+        return module.stop(config, pidfile, args.timeout_s)
+    return module.status(config, args.json)
 
 
 def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     from pathlib import Path
 
-    node_p = sub.add_parser("node", help="the per-node daemon: start, stop, status")
+    node_p = sub.add_parser("node", help="the per-node daemon: start, stop, status, drain")
     node_sub = node_p.add_subparsers(dest="node_command", required=True)
-    for name in ("start", "stop", "status"):
+    for name in ("start", "stop", "status", "drain"):
         p = node_sub.add_parser(name)
         p.add_argument("--config", help="TOML file (also $ROLLOUTD_CONFIG)")
         p.add_argument("--run-dir", help="run folder (default $XDG_RUNTIME_DIR/rolloutd or /tmp/rolloutd-$UID)")
         p.add_argument("--pidfile", help="default <run folder>/node.pid")
         p.set_defaults(func=_cmd_node, workers=None, backend=None, image=None, warm=None, router=None,
-                       tcp_bind=None, inference_server=None, log_level=None)
+                       tcp_bind=None, inference_server=None, log_level=None, node_name=None,
+                       router_public_key_file=None, router_slots=None, curve_secret_key_file=None,
+                       curve_allowed_keys_dir=None)
         if name == "start":
             p.add_argument("--detach", action="store_true",
                            help="run in the background (new session, output to the log file); return once it answers")
@@ -79,15 +93,81 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
             p.add_argument("--backend", choices=["auto", "apptainer", "local"])
             p.add_argument("--image", help="image of the warm sandboxes")
             p.add_argument("--warm", type=int, help="warm sandboxes per worker")
-            p.add_argument("--router", help="join this router as a rollout node")
+            p.add_argument("--router", help="join this router (ipc://PATH or tcp://HOST:PORT) as a rollout node")
+            p.add_argument("--router-public-key-file", help="the router's .key file (a tcp router)")
+            p.add_argument("--router-slots", type=int, help="requests the router may run here at once")
+            p.add_argument("--node-name", help="name at the router (default host:run folder)")
+            p.add_argument("--curve-secret-key-file", help="this node's .key_secret file (rolloutd keygen)")
+            p.add_argument("--curve-allowed-keys-dir", help="public keys of trainers allowed on --tcp-bind")
             p.add_argument("--tcp-bind", help="also listen on tcp://HOST:PORT (CURVE keys required)")
             p.add_argument("--inference-server", action="append", help="inference server URL (repeatable)")
             p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
             p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
         elif name == "stop":
             p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")
+        elif name == "drain":
+            p.add_argument("--resume", action="store_true", help="take new work again (re-join)")
+            p.add_argument("--wait-s", type=float, default=0.0,
+                           help="then wait up to this long for the node's requests and sandboxes to finish")
         else:
             p.add_argument("--json", action="store_true")
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import os
+
+    from . import router_process
+    from .router_config import RouterConfig, load_router_config
+
+    if getattr(args, "config_from_env", False):
+        config = RouterConfig.from_json(os.environ[router_process.CONFIG_ENV])
+    else:
+        names = ("run_dir", "tcp_bind", "node_bind", "curve_secret_key_file", "client_keys_dir", "node_keys_dir",
+                 "heartbeat_interval_s", "heartbeat_timeout_s", "log_level")
+        config = load_router_config(args.config, {k: getattr(args, k, None) for k in names})
+    return _lifecycle(router_process, config, args, args.router_command)
+
+
+def _add_router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from pathlib import Path
+
+    router_p = sub.add_parser("router", help="the broker in front of many node daemons: start, stop, status")
+    router_sub = router_p.add_subparsers(dest="router_command", required=True)
+    for name in ("start", "stop", "status"):
+        p = router_sub.add_parser(name)
+        p.add_argument("--config", help="TOML file (also $ROLLOUTD_ROUTER_CONFIG)")
+        p.add_argument("--run-dir", help="run folder (default that of `rolloutd node`)")
+        p.add_argument("--pidfile", help="default <run folder>/router.pid")
+        p.set_defaults(func=_cmd_router)
+        if name == "start":
+            p.add_argument("--detach", action="store_true",
+                           help="run in the background (new session, output to the log file); return once it answers")
+            p.add_argument("--log-file", type=Path, help="with --detach; default <run folder>/router.log")
+            p.add_argument("--ready-timeout-s", type=float, default=60.0)
+            p.add_argument("--tcp-bind", help="also accept trainers on tcp://HOST:PORT (CURVE keys required)")
+            p.add_argument("--node-bind", help="where nodes connect: ipc://PATH or tcp://HOST:PORT (default ipc)")
+            p.add_argument("--curve-secret-key-file", help="the router's .key_secret file (rolloutd keygen)")
+            p.add_argument("--client-keys-dir", help="folder of trainers' .key files allowed on --tcp-bind")
+            p.add_argument("--node-keys-dir", help="folder of nodes' .key files allowed on a tcp --node-bind")
+            p.add_argument("--heartbeat-interval-s", type=float)
+            p.add_argument("--heartbeat-timeout-s", type=float, help="drop a node silent this long")
+            p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+            p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
+        elif name == "stop":
+            p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")
+        else:
+            p.add_argument("--json", action="store_true")
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .curve import keygen
+
+    public, secret = keygen(Path(args.dir), args.name)
+    print(f"public key {public}  (give it to the peers: their allowed-keys folder, or their server key)")
+    print(f"secret key {secret}  (mode 0600; keep it on this machine)")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("policy-server", help="the reference CPU policy over vLLM/SGLang HTTP routes (see --help)")
 
     _add_node_parser(sub)
+    _add_router_parser(sub)
+
+    keys = sub.add_parser("keygen", help="make a CURVE key pair (NAME.key public, NAME.key_secret secret)")
+    keys.add_argument("name", help="file name stem, e.g. the host or trainer name")
+    keys.add_argument("--dir", default=".", help="folder to write to (created 0700)")
+    keys.set_defaults(func=_cmd_keygen)
 
     demo = sub.add_parser("demo", help="the main job: a demo batch on the bundled tasks")
     demo.add_argument("--backend", choices=["auto", "apptainer", "local"], default="auto")

@@ -62,6 +62,10 @@ class NodeConfig:
     """Folder of public key files allowed to connect over TCP."""
     router: str = ""
     """Join this router (``tcp://host:port`` or ``ipc://path``) as a rollout node."""
+    router_public_key_file: str = ""
+    """The router's CURVE public key file; with ``curve_secret_key_file``, needed for a tcp router."""
+    router_slots: int = 0
+    """Requests (samples) the router may have in flight here at once; 0 = init + run + eval concurrency."""
     node_name: str = ""
     """Name at the router; empty = hostname and run folder."""
     inference_servers: list[str] = field(default_factory=list)
@@ -95,6 +99,13 @@ class NodeConfig:
                 "tcp_bind needs curve_secret_key_file and curve_allowed_keys_dir: rolloutd never listens "
                 "on TCP without authentication (create keys with `rolloutd keygen`)"
             )
+        if self.router.startswith("tcp://") and not (self.curve_secret_key_file and self.router_public_key_file):
+            raise ConfigError(
+                "a tcp router needs curve_secret_key_file (this node's key) and router_public_key_file: "
+                "node and router only talk over TCP encrypted and authenticated (`rolloutd keygen`)"
+            )
+        if self.router_slots < 0:
+            raise ConfigError(f"router_slots must be >= 0, got {self.router_slots}")
         if len(str(self.socket_path)) > SOCKET_PATH_MAX:
             raise ConfigError(
                 f"socket path {self.socket_path} is longer than {SOCKET_PATH_MAX} bytes (Unix socket limit); "
@@ -146,26 +157,30 @@ def _coerce_env(tp: Any, raw: str, name: str) -> Any:
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None) -> NodeConfig:
-    """Defaults, then the TOML file (``path`` or ``$ROLLOUTD_CONFIG``), then env, then ``overrides``."""
+                environ: dict[str, str] | None = None, *, config_cls: type = NodeConfig,
+                env_prefix: str = "ROLLOUTD_") -> Any:
+    """Defaults, then the TOML file (``path`` or ``$<prefix>CONFIG``), then env, then ``overrides``.
+
+    ``config_cls`` is NodeConfig, or another config dataclass (the router's, with its own prefix).
+    """
     from rolloutd.client.wire import from_fields
 
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    path = path or env.get("ROLLOUTD_CONFIG")
+    path = path or env.get(f"{env_prefix}CONFIG")
     if path:
         try:
             with open(path, "rb") as f:
                 values.update(tomllib.load(f))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from e
-    hints = typing.get_type_hints(NodeConfig)
-    for f in dataclasses.fields(NodeConfig):
-        key = f"ROLLOUTD_{f.name.upper()}"
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        key = f"{env_prefix}{f.name.upper()}"
         if key in env:
             values[f.name] = _coerce_env(hints[f.name], env[key], key)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        return from_fields(NodeConfig, values, where="node config")
+        return from_fields(config_cls, values, where=config_cls.__name__.replace("Config", " config").lower())
     except BadRequest as e:
         raise ConfigError(str(e)) from e

@@ -136,6 +136,12 @@ class Supervisor:
         self._stop = asyncio.Event()
         self.extensions: list[Any] = []
         """Objects with async ``start(supervisor)``/``stop()`` (e.g. the router membership)."""
+        if config.router:
+            from .router_link import RouterLink
+
+            self.extensions.append(RouterLink(config))
+        self.curve: Any = None
+        """The ZAP handler guarding ``self.tcp`` (closed after it, before the context)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class Supervisor:
                 if self.config.tcp_bind:
                     from .curve import bind_curve_router
 
-                    tcp = bind_curve_router(self.ctx, self.config)
+                    tcp, self.curve = bind_curve_router(self.ctx, self.config)
                     self.tcp = LoopSocket(tcp, lambda f: self._on_client_message(self.tcp, f, True))
                 tg.create_task(self._reclaim_loop())
                 log.info("node daemon ready at %s with %d workers", self.config.address, len(self.workers))
@@ -209,6 +215,8 @@ class Supervisor:
         for sock in (self.public, self.tcp):
             if sock is not None:
                 sock.close(linger_ms=200)
+        if self.curve is not None:
+            self.curve.close()
         self.ctx.term()
         with contextlib.suppress(FileNotFoundError):
             self.config.socket_path.unlink()

@@ -36,6 +36,7 @@ from rolloutd.client.wire import (
     SandboxIPythonArgs,
     SandboxOpenArgs,
     SandboxRunArgs,
+    SleepArgs,
     parse_args,
     to_fields,
 )
@@ -84,6 +85,7 @@ class Worker:
             "inference.set_weight_version": self._inference_op,
             "inference.pause": self._inference_op,
             "inference.resume": self._inference_op,
+            "debug.sleep": self._sleep,
         }
         self.pipeline: RolloutPipeline | None = None
         self.extra_stats: list[Callable[[], dict[str, Any]]] = []
@@ -252,6 +254,11 @@ class Worker:
         if args.encoding == "pickle":
             return result, {"pickle": np.frombuffer(pickle.dumps(arrays, protocol=5), dtype=np.uint8)}
         return result, arrays
+
+    async def _sleep(self, args: SleepArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        await asyncio.sleep(args.seconds)
+        arrays = _synthetic_batch(args.n_tokens, 1) if args.n_tokens > 0 else {}
+        return {"run_dir": str(self.config.run_path), "worker_pid": os.getpid()}, arrays
 
 
 @functools.lru_cache(maxsize=4)

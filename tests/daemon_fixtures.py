@@ -1,4 +1,4 @@
-"""Starting real node daemons (separate processes) for tests, and stopping them by PID."""
+"""Starting real node daemons and routers (separate processes) for tests, and stopping them by PID."""
 
 from __future__ import annotations
 
@@ -16,23 +16,68 @@ import psutil
 from rolloutd.native_io import shm
 
 
+CLI = [sys.executable, "-m", "rolloutd.daemon.cli"]
+
+
 @contextmanager
 def node_daemon(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """A detached node daemon on ``run_dir``; yields its address; checks it leaves nothing behind."""
-    cmd = [sys.executable, "-m", "rolloutd.daemon.cli", "node", "start", "--detach", "--run-dir", str(run_dir),
-           "--ready-timeout-s", "120", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
-    assert out.returncode == 0, f"daemon did not start: {out.stderr[-3000:]}"
-    address = out.stdout.strip().splitlines()[-1]
+    (address,) = start_nodes([run_dir], *args, env=env)
     pid = int((run_dir / "node.pid").read_text())
     try:
         yield address
     finally:
-        stop = subprocess.run([sys.executable, "-m", "rolloutd.daemon.cli", "node", "stop", "--run-dir", str(run_dir)],
-                              capture_output=True, text=True, timeout=60)
-        if stop.returncode != 0:
+        stop_node(run_dir, [pid])
+
+
+def start_nodes(run_dirs: list[Path], *args: str, env: dict[str, str] | None = None,
+                prefixes: list[tuple[str, ...]] | None = None) -> list[str]:
+    """Start detached node daemons, all at once; their addresses. ``prefixes[i]`` runs the i-th
+    command under another (e.g. ``ip netns exec NS``)."""
+    procs = [subprocess.Popen([*(prefixes[i] if prefixes else ()), *CLI, "node", "start", "--detach", "--run-dir",
+                               str(d), "--ready-timeout-s", "120", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+             for i, d in enumerate(run_dirs)]
+    addresses = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, f"daemon did not start: {err[-3000:]}"
+        addresses.append(out.strip().splitlines()[-1])
+    return addresses
+
+
+def stop_node(run_dir: Path, pids: list[int]) -> None:
+    """``rolloutd node stop`` (SIGKILL if that fails), then check ``pids`` left nothing behind."""
+    stop = subprocess.run([*CLI, "node", "stop", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60)
+    for pid in pids:
+        if stop.returncode != 0 and daemon_processes(pid):
             os.kill(pid, signal.SIGKILL)
         assert_daemon_gone(run_dir, pid)
+
+
+@contextmanager
+def router_daemon(run_dir: Path, *args: str, prefix: tuple[str, ...] = ()) -> Iterator[str]:
+    """A detached ``rolloutd router`` on ``run_dir``; yields its local address; checks it is gone after."""
+    pid = start_router(run_dir, *args, prefix=prefix)
+    try:
+        yield f"ipc://{run_dir}/router.sock"
+    finally:
+        stop_router(run_dir, pid)
+
+
+def start_router(run_dir: Path, *args: str, prefix: tuple[str, ...] = ()) -> int:
+    out = subprocess.run([*prefix, *CLI, "router", "start", "--detach", "--run-dir", str(run_dir), *args],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, f"router did not start: {out.stderr[-3000:]}"
+    return int((run_dir / "router.pid").read_text())
+
+
+def stop_router(run_dir: Path, pid: int) -> None:
+    stop = subprocess.run([*CLI, "router", "stop", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=60)
+    if stop.returncode != 0 and daemon_processes(pid):
+        os.kill(pid, signal.SIGKILL)
+    assert_daemon_gone(run_dir, pid, sockets=("router.sock", "nodes.sock"))
 
 
 def daemon_processes(pid: int) -> list[psutil.Process]:
@@ -43,7 +88,8 @@ def daemon_processes(pid: int) -> list[psutil.Process]:
         return []
 
 
-def assert_daemon_gone(run_dir: Path, pid: int, timeout_s: float = 10.0) -> None:
+def assert_daemon_gone(run_dir: Path, pid: int, timeout_s: float = 10.0,
+                       sockets: tuple[str, ...] = ("node.sock",)) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         alive = [p for p in daemon_processes(pid) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -52,7 +98,8 @@ def assert_daemon_gone(run_dir: Path, pid: int, timeout_s: float = 10.0) -> None
         time.sleep(0.05)
     else:
         raise AssertionError(f"daemon processes still alive: {[p.cmdline() for p in alive]}")
-    assert not (run_dir / "node.sock").exists(), "public socket left behind"
+    for name in sockets:
+        assert not (run_dir / name).exists(), f"socket {name} left behind"
     assert shm.list_segments(f"rld{os.getuid()}-{pid}-") == [], "shared-memory segments left behind"
     leftovers = [p for p in psutil.process_iter(["cwd", "cmdline"])
                  if str(run_dir) in " ".join(p.info.get("cmdline") or []) + (p.info.get("cwd") or "")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from daemon_fixtures import assert_daemon_gone
 
-from rolloutd.daemon.node import DEFAULT_PATH
+from rolloutd.daemon.lifecycle import DEFAULT_PATH
 
 NODE = [sys.executable, "-m", "rolloutd.daemon.cli", "node"]
 

@@ -1,0 +1,184 @@
+"""The process lifecycle ``rolloutd node`` and ``rolloutd router`` share: pidfile, foreground
+run, detached start, stop by a ladder.
+
+``start --detach`` is safe to call from a Slurm prolog: the daemon runs in a new session with
+its standard streams on a log file (never on the caller's pipes), and the command returns only
+once the daemon answers a real status request on its ipc socket, or fails with the log's tail
+and a non-zero exit code, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import uvloop
+
+from rolloutd.native_io.errors import DaemonUnavailable, RolloutdError
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class DaemonProcess:
+    """One daemon as the command line sees it."""
+
+    what: str
+    """In messages: ``node daemon``, ``router``."""
+    command: str
+    """Its ``rolloutd`` subcommand: ``node``, ``router``."""
+    run_path: Path
+    pidfile: Path
+    socket_path: Path
+    """Its private ipc socket, probed for readiness."""
+    config_env: str
+    """The variable that hands the configuration (JSON) to the detached process."""
+    config_json: str
+
+    @property
+    def address(self) -> str:
+        return f"ipc://{self.socket_path}"
+
+
+def daemon_pid(path: Path) -> int | None:
+    """The pid in ``path`` if that process is alive and is a rolloutd daemon (not a reused pid)."""
+    try:
+        pid = int(path.read_text().split()[0])
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE or "rolloutd" not in " ".join(proc.cmdline()):
+            return None
+        return pid
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return None
+
+
+def run_foreground(d: DaemonProcess, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    d.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    existing = daemon_pid(d.pidfile)
+    if existing is not None and existing != os.getpid():
+        raise RolloutdError(f"a {d.what} is already running (pid {existing}, {d.address}); "
+                            f"stop it with `rolloutd {d.command} stop`")
+    d.pidfile.write_text(f"{os.getpid()}\n")
+    try:
+        uvloop.run(serve())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if d.pidfile.read_text().split()[0] == str(os.getpid()):
+                d.pidfile.unlink()
+    return 0
+
+
+def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
+                   cleanup: Callable[[int], None]) -> int:
+    """Start ``rolloutd <command> start --config-from-env`` in its own session; print its address
+    once it answers. On failure every process of that session is killed and ``cleanup(pid)`` runs."""
+    try:
+        d.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = open(log_path, "ab")
+    except OSError as e:
+        raise RolloutdError(f"cannot prepare the run folder {d.run_path} or log {log_path}: {e}") from e
+    existing = daemon_pid(d.pidfile)
+    if existing is not None:
+        out.close()
+        raise RolloutdError(f"a {d.what} is already running (pid {existing}, {d.address})")
+    env = {**os.environ, d.config_env: d.config_json}
+    # A Slurm prolog (or cron, or systemd) may give no PATH; the daemon runs apptainer and env.
+    env.setdefault("PATH", DEFAULT_PATH)
+    with out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rolloutd.daemon.cli", d.command, "start", "--pidfile", str(d.pidfile),
+             "--config-from-env"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, close_fds=True,
+        )
+    from rolloutd.client.sync_client import RolloutClient
+
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            _abort_start(proc, d, cleanup)
+            raise RolloutdError(f"the {d.what} (pid {proc.pid}) exited with {proc.returncode} during start-up; "
+                                f"log {log_path}:\n{tail(log_path)}")
+        if d.socket_path.exists():
+            try:
+                with RolloutClient(d.address, timeout_s=2.0) as client:
+                    client.status()
+                print(d.address, flush=True)
+                return 0
+            except RolloutdError:
+                pass
+        time.sleep(0.05)
+    _abort_start(proc, d, cleanup)
+    raise RolloutdError(f"the {d.what} (pid {proc.pid}) did not answer within {ready_timeout_s} s "
+                        f"(--ready-timeout-s); log {log_path}:\n{tail(log_path)}")
+
+
+def _abort_start(proc: subprocess.Popen[bytes], d: DaemonProcess, cleanup: Callable[[int], None]) -> None:
+    """A failed start leaves nothing: every process of the daemon's session (it leads its own),
+    what ``cleanup`` removes, and the pidfile."""
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(p.info["pid"]) == proc.pid:
+                p.kill()
+    proc.wait()
+    cleanup(proc.pid)
+    with contextlib.suppress(FileNotFoundError):
+        d.pidfile.unlink()
+
+
+def stop_ladder(pid: int, timeout_s: float) -> str:
+    """SIGTERM, then after ``timeout_s`` SIGKILL to the process and its children; the rung reached."""
+    os.kill(pid, signal.SIGTERM)
+    if wait_gone(pid, timeout_s):
+        return "sigterm"
+    with contextlib.suppress(ProcessLookupError, psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            child.kill()
+        os.kill(pid, signal.SIGKILL)
+    wait_gone(pid, 5.0)
+    return "sigkill"
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def show_status(address: str, as_json: bool, describe: Callable[[dict[str, Any]], None]) -> int:
+    """Print the running daemon's status (JSON, or ``describe``'s lines); 3 when there is none."""
+    from rolloutd.client.sync_client import RolloutClient
+
+    try:
+        with RolloutClient(address, timeout_s=5.0) as client:
+            st = client.status()
+    except DaemonUnavailable as e:
+        print(str(e), file=sys.stderr)
+        return 3
+    if as_json:
+        print(json.dumps(st, indent=2))
+    else:
+        describe(st)
+    return 0
+
+
+def tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""

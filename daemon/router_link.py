@@ -1,0 +1,261 @@
+"""A node's membership at a router: the supervisor extension behind ``rolloutd node start --router``.
+
+The node connects out (a DEALER; CURVE for a tcp router), registers with its capacity once its
+workers are ready, and heartbeats. Requests arrive as ``[request id][type][header][buffers...]``
+and go to the supervisor as if from a TCP client (arrays as raw frames, never shared memory); the
+supervisor's answer leaves through this socket with the id in front. When the router does not
+know the node (it restarted, or dropped the node for silence) the node registers again.
+
+Drain (finish what it has, take nothing new) and resume are signals, so no new socket or op is
+needed: SIGUSR1 drains, SIGUSR2 resumes (``rolloutd node drain [--resume]``). The link's state is
+written to ``<run folder>/router-link.json`` for that command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from rolloutd.client.wire import (
+    MsgType,
+    NodeBye,
+    NodeCapacity,
+    NodeHeartbeat,
+    NodeRegister,
+    RouterUnknown,
+    RouterWelcome,
+    node_message,
+    parse_node_message,
+)
+from rolloutd.native_io import framing
+from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_sockets import make_socket
+
+from .config import NodeConfig
+from .curve import CurveClient, SocketEvents, watch_handshakes
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "router-link.json"
+DRAIN_SIGNAL = signal.SIGUSR1
+RESUME_SIGNAL = signal.SIGUSR2
+FIRST_INTERVAL_S = 1.0
+"""Heartbeat interval until the router's welcome names its own."""
+READY_TIMEOUT_S = 300.0
+
+
+def capacity_report(supervisor: Any) -> NodeCapacity:
+    """What this node offers the router; extend here as the node learns to report more.
+
+    ``slots`` (what the router may have in flight here): ``router_slots``, else the samples the
+    node's stages hold at once (init + run + eval concurrency); 0 until a worker is ready.
+    ``free``: per stage, the slots neither in use nor promised to a waiting sample, summed over
+    the ready workers' pipelines. ``images``: the warm image, while sandboxes of it are ready.
+    """
+    config: NodeConfig = supervisor.config
+    ready = [w for w in supervisor.workers.values() if w.ready]
+    slots = config.router_slots or (config.init_concurrency + config.run_concurrency + config.eval_concurrency)
+    free: dict[str, int] = {}
+    warm = 0
+    for w in ready:
+        warm += int(w.stats.get("pool", {}).get("ready", 0))
+        for stage, st in w.stats.get("pipeline", {}).get("stages", {}).items():
+            free[stage] = free.get(stage, 0) + max(0, int(st["limit"]) - int(st["in_use"]) - int(st["waiting"]))
+    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.pending),
+                        free=free, images=[config.image] if warm else [])
+
+
+class RouterLink:
+    """Supervisor extension (``async start(supervisor)`` / ``async stop()``)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.name = config.node_name or f"{socket.gethostname()}:{config.run_path}"
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.identity = f"{self.name[:200]}/{self.incarnation}".encode()
+        self.registered = False
+        self.draining = False
+        self.interval_s = FIRST_INTERVAL_S
+        self.supervisor: Any = None
+        self.ctx: zmq.Context[Any] | None = None
+        self.sock: LoopSocket | None = None
+        self.watch: SocketEvents | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        """Set when there is news for the router (drain, resume, re-register) or for the state file."""
+        self._state_dirty = True
+        self._state_file = config.run_path / STATE_FILE
+
+    async def start(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+        # Its own context: the supervisor's context can terminate even if this link was never stopped.
+        self.ctx = zmq.Context()
+        sock = make_socket(self.ctx, zmq.DEALER, identity=self.identity, linger_ms=500)
+        # No queueing while disconnected: an answer the router cannot get now is kept by the
+        # supervisor for a retry (it catches the error), not piled up for a router that may be new.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.config.router.startswith("tcp://"):
+            CurveClient(self.config.curve_secret_key_file, self.config.router_public_key_file).apply_client(sock)
+            self.watch = watch_handshakes(sock, lambda reason: log.error(
+                "the router at %s refused this node: %s; give the router this node's public key (.key next to %s)",
+                self.config.router, reason, self.config.curve_secret_key_file))
+        sock.connect(self.config.router)
+        self.sock = LoopSocket(sock, self._on_message)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(DRAIN_SIGNAL, self.set_draining, True)
+        loop.add_signal_handler(RESUME_SIGNAL, self.set_draining, False)
+        self._task = loop.create_task(self._run())
+        log.info("joining router %s as %s", self.config.router, self.identity.decode())
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (DRAIN_SIGNAL, RESUME_SIGNAL):
+            loop.remove_signal_handler(sig)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.registered:
+            self._send_node(NodeBye("the node daemon is stopping"))
+        if self.watch is not None:
+            self.watch.close()
+        if self.sock is not None:
+            self.sock.close(linger_ms=500)
+        if self.ctx is not None:
+            await asyncio.to_thread(self.ctx.term)  # waits out the linger of the goodbye
+        await asyncio.to_thread(_remove, self._state_file)
+
+    def set_draining(self, draining: bool) -> None:
+        if draining != self.draining:
+            self.draining = draining
+            log.info("%s", "draining: finishing what this node has, taking nothing new" if draining
+                     else "resuming: taking new work again")
+            self._state_changed()
+
+    # --- messages ----------------------------------------------------------------------------
+
+    def _on_message(self, frames: list[Any]) -> None:
+        if frames and len(frames[0]) == 0:
+            self._on_membership(frames[1:])
+        else:
+            self.supervisor._on_client_message(self.sock, frames, True)
+
+    def _on_membership(self, frames: list[Any]) -> None:
+        try:
+            _, header, _ = framing.decode(frames, max_bytes=1 << 20, known_types=frozenset({MsgType.NODE}))
+            msg = parse_node_message(header)
+        except RolloutdError as e:
+            log.warning("bad membership message from the router: %s", e)
+            return
+        if isinstance(msg, RouterWelcome):
+            if not self.registered:
+                log.info("registered at router %s", self.config.router)
+                self.registered = True
+                self._state_changed()
+            self.interval_s = msg.heartbeat_interval_s
+        elif isinstance(msg, RouterUnknown):
+            log.info("the router does not know this node (%s); registering again", msg.reason)
+            self.registered = False
+            self._state_changed()
+
+    def _send_node(self, msg: Any) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.send([b"", *node_message(msg)])
+        except zmq.ZMQError as e:  # not connected now (IMMEDIATE): the next beat tries again
+            log.debug("router not reachable: %s", e)
+
+    async def _run(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(w.ready for w in self.supervisor.workers.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        while True:
+            self._wake.clear()
+            if self._state_dirty:
+                self._state_dirty = False
+                await asyncio.to_thread(_write_json, self._state_file, self.state())
+            capacity = capacity_report(self.supervisor)
+            if self.registered:
+                self._send_node(NodeHeartbeat(capacity, self.draining))
+            else:
+                self._send_node(NodeRegister(self.name, self.incarnation, socket.gethostname(), os.getpid(),
+                                             capacity, self.draining))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+
+    def _state_changed(self) -> None:
+        self._state_dirty = True
+        self._wake.set()
+
+    def state(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "router": self.config.router, "identity": self.identity.decode(),
+                "registered": self.registered, "draining": self.draining}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def read_state(run_dir: Path) -> dict[str, Any] | None:
+    """The link state a node daemon on ``run_dir`` wrote, or None when it has no router link."""
+    try:
+        state = json.loads((run_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def drain_node(config: NodeConfig, pidfile: Path, *, resume: bool, wait_s: float) -> int:
+    """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
+    from .lifecycle import daemon_pid
+
+    pid = daemon_pid(pidfile)
+    state = read_state(config.run_path)
+    if pid is None:
+        raise RolloutdError(f"no node daemon running for {config.run_path}")
+    if state is None or state.get("pid") != pid:
+        raise RolloutdError(f"the node daemon (pid {pid}) has no router link; it was started without --router")
+    os.kill(pid, RESUME_SIGNAL if resume else DRAIN_SIGNAL)
+    deadline = time.monotonic() + 10.0
+    while (state or {}).get("draining") != (not resume):
+        if time.monotonic() > deadline:
+            raise RolloutdError(f"node pid {pid} did not confirm within 10 s; see its log")
+        time.sleep(0.05)
+        state = read_state(config.run_path)
+    print(f"node {state['identity'] if state else pid} {'takes work again' if resume else 'is draining'}")
+    if resume or wait_s <= 0:
+        return 0
+    from rolloutd.client.sync_client import RolloutClient
+
+    deadline = time.monotonic() + wait_s
+    with RolloutClient(config.address, timeout_s=10.0) as client:
+        while True:
+            st = client.status()
+            if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
+                print("drained: no request in flight, no sandbox leased")
+                return 0
+            if time.monotonic() > deadline:
+                print(f"still busy after {wait_s} s: {st['in_flight']} request(s), "
+                      f"{st['sandboxes']['leased']} sandbox(es) leased", file=sys.stderr)
+                return 1
+            time.sleep(0.2)

@@ -1,0 +1,124 @@
+"""A router with node daemons as separate processes, and a bare trainer that counts every answer."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from daemon_fixtures import router_daemon, start_nodes, stop_node
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.client.wire import MsgType
+from rolloutd.native_io import framing
+
+NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2")
+FAST_HEARTBEATS = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0")
+
+
+@dataclass
+class Federation:
+    router_dir: Path
+    address: str
+    node_dirs: list[Path]
+    node_args: tuple[str, ...]
+    pids: dict[Path, list[int]] = field(default_factory=dict)
+    """Every pid each node folder had (a restarted node has several)."""
+
+    @property
+    def nodes_address(self) -> str:
+        return f"ipc://{self.router_dir}/nodes.sock"
+
+    def node_pid(self, i: int) -> int:
+        return int((self.node_dirs[i] / "node.pid").read_text())
+
+    def start(self, indices: list[int]) -> None:
+        dirs = [self.node_dirs[i] for i in indices]
+        start_nodes(dirs, "--router", self.nodes_address, *self.node_args)
+        for d in dirs:
+            self.pids.setdefault(d, []).append(int((d / "node.pid").read_text()))
+
+    def status(self) -> dict[str, Any]:
+        with RolloutClient(self.address, timeout_s=10) as c:
+            return c.status()
+
+    def wait_nodes(self, n: int, timeout_s: float = 20.0) -> dict[str, Any]:
+        """The router's status once exactly ``n`` nodes are registered and ready."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if len(st["nodes"]) == n and all(x["state"] == "ready" for x in st["nodes"]):
+                return st
+            assert time.monotonic() < deadline, f"wanted {n} ready nodes, router has {st['nodes']}"
+            time.sleep(0.05)
+
+    def node_of(self, run_dir: str) -> int:
+        return [str(d) for d in self.node_dirs].index(run_dir)
+
+
+@contextlib.contextmanager
+def federation(base: Path, n_nodes: int, *, router_args: tuple[str, ...] = FAST_HEARTBEATS,
+               node_args: tuple[str, ...] = NODE_ARGS) -> Iterator[Federation]:
+    """A router on ``base/router`` and ``n_nodes`` node daemons on ``base/n<i>``, all ready."""
+    router_dir = base / "router"
+    with router_daemon(router_dir, *router_args) as address:
+        fed = Federation(router_dir, address, [base / f"n{i}" for i in range(n_nodes)], node_args)
+        try:
+            fed.start(list(range(n_nodes)))
+            fed.wait_nodes(n_nodes)
+            yield fed
+        finally:
+            for d in fed.node_dirs:
+                if d in fed.pids:
+                    stop_node(d, fed.pids[d])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RawTrainer:
+    """A bare DEALER that records every answer it gets: the client library would hide a duplicate."""
+
+    def __init__(self, address: str, curve: Any = None) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply_client(self.sock)
+        self.sock.connect(address)
+        self.answers: dict[str, list[tuple[int, dict[str, Any], int]]] = {}
+        """id -> every (type, header, number of array frames) that came for it."""
+
+    def send(self, rid: str, op: str, args: dict[str, Any]) -> None:
+        self.sock.send_multipart(framing.encode(MsgType.REQUEST, {"id": rid, "op": op, "args": args,
+                                                                  "arrays": "frames"}))
+
+    def collect(self, ids: list[str], timeout_s: float, linger_s: float = 1.0) -> dict[str, list[Any]]:
+        """Receive until every id has an answer, then ``linger_s`` more to catch any second one."""
+        deadline = time.monotonic() + timeout_s
+        done_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if done_at is None and all(i in self.answers for i in ids):
+                done_at = now
+            if done_at is not None and now - done_at > linger_s:
+                return self.answers
+            assert now < deadline, f"unanswered after {timeout_s} s: {[i for i in ids if i not in self.answers]}"
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart()
+                header = msgpack.unpackb(frames[1], raw=False)
+                self.answers.setdefault(header.get("id", ""), []).append((frames[0][0], header, len(frames) - 2))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
