@@ -52,13 +52,18 @@ class SpecialIds:
 
 
 def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The HF tokenizer in ``path`` (default: the reference tokenizer shipped with rolloutd)."""
-    from transformers import AutoTokenizer
+    """The HF fast tokenizer in ``path`` (default: the reference tokenizer shipped with rolloutd).
+
+    Loaded as ``PreTrainedTokenizerFast`` (tokenizer.json, special tokens, chat template), the
+    class Qwen's and Llama's fast tokenizers derive from, not through ``AutoTokenizer``: that path
+    imports the model configuration code and, with it, torch, which would add ~200 MB to every
+    worker (and to the cost of each fork it makes) and seconds to its start-up."""
+    from transformers import PreTrainedTokenizerFast
 
     folder = Path(path) if path is not None else DEFAULT_TOKENIZER_DIR
     if not (folder / "tokenizer.json").exists():
-        raise ConfigError(f"no tokenizer.json in {folder}; pass the folder of a Hugging Face tokenizer")
-    return AutoTokenizer.from_pretrained(str(folder))
+        raise ConfigError(f"no tokenizer.json in {folder}; pass the folder of a Hugging Face (fast) tokenizer")
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
 def load_raw_tokenizer(path: str | Path | None = None) -> Tokenizer:
