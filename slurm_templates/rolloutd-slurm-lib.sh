@@ -199,7 +199,17 @@ rld_start_daemon() {
   [ -z "$RLD_WARM" ] || args+=(--warm "$RLD_WARM")
   [ -z "$RLD_NODE_CONFIG" ] || args+=(--config "$RLD_NODE_CONFIG")
   router=$(rld_router_address "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}")
-  [ -z "$router" ] || args+=(--router "$router")
+  if [ -n "$router" ]; then
+    # A TCP router admits only keyed nodes: the user's keys, made once (see sbatch-multi-node.sh).
+    local keys
+    keys="$(getent passwd "$user" | cut -d: -f6)/.rolloutd/keys"
+    [ -r "$keys/nodes/node.key_secret" ] && [ -r "$keys/router.key" ] || {
+      rld_err "multi-node job of $user: no CURVE keys in $keys (run once: rolloutd keygen router --dir $keys && rolloutd keygen node --dir $keys/nodes && rolloutd keygen trainer --dir $keys/clients)"
+      return 1
+    }
+    args+=(--router "$router" --curve-secret-key-file "$keys/nodes/node.key_secret"
+           --router-public-key-file "$keys/router.key")
+  fi
   # Command substitution waits for EOF: a daemon that kept this pipe would hang the prolog here.
   out=$(rld_as_user $((RLD_READY_TIMEOUT_S + 15)) "$user" "${args[@]}" 2>&1)
   rc=$?

@@ -6,9 +6,14 @@
 #   nodes 0..N-1      rolloutd node daemon (Prolog) ── joins the router, runs sandboxes
 #   nodes 1..N-1      inference server on each node's GPUs
 #
-# >>> PLANNED: the router and federation (`rolloutd router start`, `rolloutd keygen`,
-# >>> `rolloutd node start --router`) are being built; the commands below follow their planned
-# >>> interface and are not tested yet. The single-node template is tested against real Slurm.
+# The router and federation are tested on one machine (separate processes and network namespaces,
+# TCP with CURVE); this template itself has not run on a multi-node cluster here.
+#
+# Once per user, before the first multi-node job (keys on a filesystem every node sees; the Prolog
+# reads them from ~/.rolloutd/keys of the job's user):
+#   rolloutd keygen router --dir ~/.rolloutd/keys
+#   rolloutd keygen node --dir ~/.rolloutd/keys/nodes       # node daemons join with this key
+#   rolloutd keygen trainer --dir ~/.rolloutd/keys/clients  # only for trainers outside the head node
 #
 # What the cluster provides: the admin's Prolog starts a node daemon on every node of the job and,
 # with ROUTER_PORT_BASE set in the hooks' config, makes it join tcp://<first node>:<port>; the
@@ -34,8 +39,8 @@ INFERENCE_READY_TIMEOUT_S=${INFERENCE_READY_TIMEOUT_S:-900}
 TRAINER_CMD=${TRAINER_CMD:?set TRAINER_CMD to the command that runs your trainer}
 ROLLOUTD=${ROLLOUTD:-rolloutd}                  # the rolloutd program on the compute nodes
 ROLLOUTD_PYTHON=${ROLLOUTD_PYTHON:-python3}      # a Python with rolloutd installed
-# CURVE keys of the router and the trainer, on a filesystem every node sees (made once per user).
-KEYS_DIR=${KEYS_DIR:-$HOME/.rolloutd/keys}
+KEYS_DIR=$HOME/.rolloutd/keys                   # made once, see above
+ROUTER_RUN_DIR=/tmp/rolloutd-router-$SLURM_JOB_ID
 # ---------------------------------------------------------------------------------------------
 
 : "${ROLLOUTD_ROUTER:?no router address: ask the admin to set ROUTER_PORT_BASE in the rolloutd Slurm config}"
@@ -45,15 +50,17 @@ head=${nodes[0]}
 router_port=${ROLLOUTD_ROUTER##*:}
 gpu_nodes=$(IFS=,; echo "${nodes[*]:1}")
 
-# 1. Keys, once per user (PLANNED: `rolloutd keygen`).
-[ -e "$KEYS_DIR/router.key" ] || "$ROLLOUTD" keygen --out "$KEYS_DIR"
+[ -r "$KEYS_DIR/router.key_secret" ] && [ -d "$KEYS_DIR/nodes" ] || {
+  echo "no CURVE keys in $KEYS_DIR: see the top of this file" >&2; exit 1; }
 
-# 2. The router on the first node, as a job step: it ends with the job (PLANNED: `rolloutd router`).
+# 1. The router on the first node, as a job step: it ends with the job. Nodes join over TCP with
+# their keys; the trainer, on the same host, uses the router's private ipc socket.
 srun --nodes=1 --ntasks=1 --nodelist="$head" --overlap \
-  "$ROLLOUTD" router start --bind "tcp://0.0.0.0:$router_port" --keys "$KEYS_DIR" \
+  "$ROLLOUTD" router start --run-dir "$ROUTER_RUN_DIR" --node-bind "tcp://0.0.0.0:$router_port" \
+  --curve-secret-key-file "$KEYS_DIR/router.key_secret" --node-keys-dir "$KEYS_DIR/nodes" \
   >"router-$SLURM_JOB_ID.log" 2>&1 &
 
-# 3. One inference server per GPU node, as one job step.
+# 2. One inference server per GPU node, as one job step.
 srun --nodes=$((${#nodes[@]} - 1)) --ntasks-per-node=1 --nodelist="$gpu_nodes" --overlap \
   bash -c "exec $INFERENCE_CMD" >"inference-$SLURM_JOB_ID.log" 2>&1 &
 servers=()
@@ -75,8 +82,7 @@ for url in sys.argv[2:]:
 print("inference servers up:", " ".join(sys.argv[2:]))
 EOF
 
-# 4. The trainer on the first node talks to the router, which spreads rollouts over every node's
-# daemon. ROLLOUTD_ADDRESS (this node's daemon) stays available for single-node use.
-export ROLLOUTD_CURVE_KEYS=$KEYS_DIR
+# 3. The trainer on the first node talks to the router, which spreads rollouts over every node's
+# daemon (it registers the inference servers through the client: add_inference_server).
 srun --nodes=1 --ntasks=1 --nodelist="$head" --overlap \
-  env ROLLOUTD_ADDRESS="$ROLLOUTD_ROUTER" bash -c "exec $TRAINER_CMD"
+  env ROLLOUTD_ADDRESS="ipc://$ROUTER_RUN_DIR/router.sock" bash -c "exec $TRAINER_CMD"
