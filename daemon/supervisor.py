@@ -50,6 +50,7 @@ from rolloutd.native_io.errors import (
     WorkerLost,
     error_from_code,
 )
+from rolloutd.native_io.procfs import pid_alive
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
@@ -571,14 +572,14 @@ class Supervisor:
                     break
                 self.completed.popitem(last=False)
             for name, seg in list(self.segments.items()):
-                if seg.client_pid is not None and not _pid_alive(seg.client_pid):
+                if seg.client_pid is not None and not pid_alive(seg.client_pid):
                     seg.orphaned_at = seg.orphaned_at or now
                     if now - seg.orphaned_at >= self.config.shm_lease_timeout_s:
                         del self.segments[name]
                         self._return_segments([name])
                         self.counters["segments_reclaimed"] += 1
             for sid, pid in list(self.sandbox_client.items()):
-                if pid is not None and not _pid_alive(pid) and sid in self.sandbox_owner:
+                if pid is not None and not pid_alive(pid) and sid in self.sandbox_owner:
                     log.info("closing sandbox %s of client pid %d, which is gone", sid, pid)
                     idx, _ = self.sandbox_owner.pop(sid)
                     self.sandbox_client.pop(sid, None)
@@ -614,13 +615,6 @@ def _nbytes(frame: Any) -> int:
     if isinstance(frame, memoryview):
         return frame.nbytes
     return len(frame) if isinstance(frame, (bytes, bytearray)) else len(frame.buffer)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _salvage_id(frames: list[Any]) -> str:

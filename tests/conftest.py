@@ -17,6 +17,7 @@ os.environ.setdefault("ROLLOUTD_CACHE_DIR", str(REPO / ".cache"))
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxBackend  # noqa: E402
 from rolloutd.daemon.sandbox.local import LocalBackend  # noqa: E402
+from rolloutd.native_io.procfs import live_processes  # noqa: E402
 
 BACKENDS = ["local", pytest.param("apptainer", marks=pytest.mark.apptainer)]
 
@@ -44,18 +45,7 @@ def backend(request: pytest.FixtureRequest, short_tmp: Path) -> Iterator[Sandbox
 
 def instance_inits() -> set[int]:
     """PIDs of live Apptainer instance init processes on this machine."""
-    out = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if b"(appinit)" in stat and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-            out.add(int(entry.name))
-    return out
+    return {p.pid for p in live_processes() if p.comm == "appinit"}
 
 
 @pytest.fixture(autouse=True)

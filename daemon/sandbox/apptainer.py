@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
+from rolloutd.native_io.procfs import ProcInfo, live_processes, pid_alive
 
 from .base import RUN_DIR_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
 from .images import resolve_image
@@ -38,16 +39,6 @@ STOP_GRACE_S = 1.0
 
 def apptainer_available() -> bool:
     return shutil.which("apptainer") is not None
-
-
-def _pid_alive(pid: int) -> bool:
-    """Alive and not a zombie (orphans may wait a long time for PID 1 to reap them)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
 class ApptainerSandbox(Sandbox):
@@ -163,36 +154,28 @@ class ApptainerSandbox(Sandbox):
         cmd += ["--pwd", cwd or WORKSPACE_INSIDE, f"instance://{self.instance_name}", *argv]
         return cmd
 
-    def process_ids(self) -> list[int]:
+    def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
+        """Every process in the instance's PID namespace (killing its init ends them all)."""
         if self._pidns is None:
             return []
-        out = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino == self._pidns:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-        return [p for p in out if _pid_alive(p)]
+        return [p.pid for p in (procs if procs is not None else live_processes()) if p.pidns == self._pidns]
 
     async def stop(self) -> None:
         pid = self.init_pid
         rung = "exited"
-        if pid is not None and _pid_alive(pid):
+        if pid is not None and pid_alive(pid):
             rung = "sigterm"
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
-            while _pid_alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 rung = "sigkill"
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 5.0
-                while _pid_alive(pid) and time.monotonic() < deadline:
+                while pid_alive(pid) and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
         self.stop_rung = rung
         self.backend.forget_instance(self.instance_name)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.procfs import ProcInfo, live_processes
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,11 @@ class Sandbox(abc.ABC):
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
         """The host command line that runs ``argv`` inside the sandbox."""
 
-    def process_ids(self) -> list[int]:
-        """Host PIDs of every process currently running in the sandbox (for the watchdog)."""
-        return pids_in_sessions(self.session_ids)
+    def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
+        """Host PIDs of every process running in the sandbox, from ``procs`` (one /proc scan
+        shared by all sandboxes) or a fresh scan. Every process a shell or kernel starts keeps
+        its session unless it calls setsid, so sessions find fork bombs without cgroups."""
+        return [p.pid for p in (procs if procs is not None else live_processes()) if p.session in self.session_ids]
 
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.
@@ -172,29 +175,3 @@ class SandboxBackend(abc.ABC):
 
     async def close(self) -> None:
         """Release backend-wide resources."""
-
-
-def pids_in_sessions(session_ids: set[int]) -> list[int]:
-    """Live (non-zombie) processes whose session id is one of ``session_ids``.
-
-    Every process a PTY shell or a kernel starts inherits its session unless it calls setsid,
-    so this finds fork bombs and background jobs without cgroups.
-    """
-    if not session_ids:
-        return []
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        if rest[0] == b"Z":
-            continue
-        if int(rest[3]) in session_ids:  # state, ppid, pgrp, session
-            out.append(int(entry.name))
-    return out

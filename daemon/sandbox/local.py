@@ -13,7 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from .base import Sandbox, SandboxBackend, SandboxSpec, pids_in_sessions
+from .base import Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LocalSandbox(Sandbox):
         self.prepare_folders()
 
     async def stop(self) -> None:
-        pids = pids_in_sessions(self.session_ids)
+        pids = self.process_ids()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

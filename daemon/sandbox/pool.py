@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
+from rolloutd.native_io.procfs import live_processes
 from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
 
 from ..sessions.ipython import ExecuteResult, KernelSession
@@ -292,9 +293,13 @@ class WarmPool:
     async def _watchdog_loop(self) -> None:
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            for lease in [*self._leased.values(), *(l for q in self._ready.values() for l in q)]:
+            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
+            if not leases:
+                continue
+            procs = await asyncio.to_thread(live_processes)
+            for lease in leases:
                 limit = lease.sandbox.spec.limits.max_processes
-                count = len(await asyncio.to_thread(lease.sandbox.process_ids))
+                count = len(lease.sandbox.process_ids(procs))
                 if count > limit and not lease.lost_reason:
                     lease.lost_reason = (
                         f"it ran {count} processes, over its limit of {limit} (max_processes), "

@@ -1,0 +1,54 @@
+"""Reading /proc: which processes live, in which session and PID namespace.
+
+One pass over /proc serves every sandbox (the watchdog scans once per interval, not once per
+sandbox). Zombies count as dead: orphans can wait a long time for PID 1 to reap them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    comm: str
+    session: int
+    pidns: int | None
+    """Inode of the process's PID namespace (None when it cannot be read)."""
+
+
+def _stat(pid: int | str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+def live_processes() -> list[ProcInfo]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        stat = _stat(entry.name)
+        if stat is None:
+            continue
+        # Field 2 (comm) may hold spaces and parentheses: split after the last ')'.
+        close = stat.rfind(b")")
+        rest = stat[close + 2 :].split()
+        if rest[0] == b"Z":
+            continue
+        try:
+            pidns: int | None = os.stat(f"/proc/{entry.name}/ns/pid").st_ino
+        except OSError:
+            pidns = None
+        out.append(ProcInfo(int(entry.name), stat[stat.find(b"(") + 1 : close].decode(errors="replace"),
+                            int(rest[3]), pidns))  # rest: state, ppid, pgrp, session
+    return out
