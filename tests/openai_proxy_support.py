@@ -17,17 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from agent_support import API_KEY, RecordingContext, call, reference_tokenizer
+from agent_support import RecordingContext, agent_context, call, reference_tokenizer
 from rolloutd.client.history_segments import HistorySegment
-from rolloutd.daemon.inference.base import SamplingParams
-from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.policy.model import default_model
-from rolloutd.daemon.policy.scripted import ScriptedPlans
-from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
-from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
+from rolloutd.daemon.sandbox.base import SandboxBackend
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import open_lease
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS_DIR = REPO / "tests" / "openai_harness"
@@ -99,28 +94,22 @@ def sandbox_binds(backend: str) -> tuple[tuple[str, str, str], ...]:
 
 
 @contextlib.asynccontextmanager
-async def proxy_context(backend: str, state_dir: Path, instance_id: str, replies: list[str], *,
+async def proxy_context(kind: str, state_dir: Path, instance_id: str, replies: list[str], *,
                         files: dict[str, str] | None = None, problem: str = "Report what notes.txt says.",
                         **options: Any) -> AsyncIterator[RecordingContext]:
-    """A context over a fresh sandbox of ``backend`` (``files`` written into its workspace, the
-    SDK and the harness bound in for Apptainer) and a scripted reference server answering
+    """A context over a fresh sandbox of backend ``kind`` (``files`` written into its workspace,
+    the SDK and the harness bound in for Apptainer) and a scripted reference server answering
     ``instance_id``'s turns with ``replies``."""
-    plans = ScriptedPlans(plans={instance_id: replies})
-    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans)) as server, \
-            await ServerPool.create([server.url], api_key=API_KEY, health_interval_s=0) as pool:
-        sandbox = sandbox_backend(backend, state_dir).create(SandboxSpec(ipython=False, binds=sandbox_binds(backend)))
-        lease = await open_lease(sandbox)
-        try:
-            for name, text in (files or {}).items():
-                (lease.sandbox.workspace / name).write_text(text)
-            ctx = RecordingContext(
-                lease=lease, pool=pool, tokenizer=reference_tokenizer(),
-                sampling=SamplingParams(max_tokens=1, temperature=1.0, seed=0), trajectory_id=f"t-{instance_id}",
-                instance_id=instance_id, problem_statement=problem, **options)
-            ctx.server = server
-            yield ctx
-        finally:
-            await lease.destroy()
+    backend = sandbox_backend(kind, state_dir)
+    async with agent_context(state_dir, instance_id, replies, problem=problem, backend=backend,
+                             binds=sandbox_binds(kind), **options) as ctx:
+        for name, text in (files or {}).items():
+            (ctx.lease.sandbox.workspace / name).write_text(text)
+        yield ctx
+    # This test's own sandbox is gone (the global leak check also counts other runs' instances).
+    assert ctx.lease.sandbox.stop_rung is not None
+    if isinstance(backend, ApptainerBackend):
+        assert backend.leftover_instances() == []
 
 
 def harness_output(ctx: RecordingContext) -> dict[str, Any]:

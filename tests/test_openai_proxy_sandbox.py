@@ -42,7 +42,7 @@ def check_tools_run(outcome: AgentOutcome, seen: dict[str, Any], ctx: Any) -> No
     """What the harness saw and what the trajectory holds agree, token for token."""
     assert outcome.finish_reason == "completed", outcome.metrics.get("harness_output_tail")
     assert seen["finish_reasons"] == ["tool_calls", "tool_calls", "stop"]
-    assert seen["models"] == ["rolloutd-policy"]
+    assert seen["models"] == ["rolloutd-policy"] and seen["wrong_key"] == "AuthenticationError 401"
     ls, notes, echo = seen["tool_outputs"]
     assert "notes.txt" in ls.split() and notes == "the answer is 42" and echo == "checked"
     replies = [m for m in seen["messages"] if m["role"] == "assistant"]

@@ -23,5 +23,5 @@ from rolloutd.daemon.agents.tokens import TokenLedger
 
 from rolloutd.daemon.agents.blackbox import BlackBoxAgent  # noqa: E402  (last: it builds on the others)
 
-__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "BlackBoxAgent", "CodeActAgent", "SandboxAgentContext",
-           "ScriptAgent", "TokenLedger", "make_agent", "register_agent", "registered_agents"]
+__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "BlackBoxAgent", "CodeActAgent",
+           "SandboxAgentContext", "ScriptAgent", "TokenLedger", "make_agent", "register_agent", "registered_agents"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import shlex
@@ -46,6 +47,8 @@ from rolloutd.native_io.errors import AgentError, ConfigError
 from .base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
 from .codeact import user_prompt
 from .context import SandboxAgentContext
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0
 
@@ -78,7 +81,7 @@ class BlackBoxConfig:
     ``final`` or ``off``)."""
     allow_nonzero_exit: bool = False
     """Treat a harness that exits with a non-zero status as completed instead of an error."""
-    output_tail_chars: int = 4000
+    output_tail_bytes: int = 4000
     """How much of the end of the harness's output the trajectory's metrics keep."""
 
     def __post_init__(self) -> None:
@@ -88,6 +91,10 @@ class BlackBoxConfig:
                                                      for k, v in self.env.items()):
             raise ConfigError(f"blackbox agent config: env must map names to strings, got {self.env!r}")
         ProxyLimits(self.max_requests, self.max_context_tokens, self.max_tokens_per_turn)
+        if isinstance(self.output_tail_bytes, bool) or not isinstance(self.output_tail_bytes, int) \
+                or self.output_tail_bytes < 0:
+            raise ConfigError(f"blackbox agent config: output_tail_bytes must be an integer >= 0, "
+                              f"got {self.output_tail_bytes!r}")
         for name in ("timeout_s", "exit_grace_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -146,7 +153,7 @@ class BlackBoxAgent(Agent):
                 await asyncio.shield(_stop(proc))
                 sb.session_ids.discard(proc.pid)
             await asyncio.shield(server.close())
-        tail = (folder / "harness.log").read_bytes()[-cfg.output_tail_chars:].decode(errors="replace")
+        tail = _tail(folder / "harness.log", cfg.output_tail_bytes)
         rc = proc.returncode
         finish = session.stop_reason or ("timeout" if timed_out else "completed")
         if finish == "completed" and rc != 0 and not cfg.allow_nonzero_exit:
@@ -176,6 +183,12 @@ class BlackBoxAgent(Agent):
             await asyncio.gather(exited, ended, return_exceptions=True)
 
 
+def _tail(path: Path, limit: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+        return f.read().decode(errors="replace")
+
+
 async def _stop(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the harness's process group, then SIGKILL; the group is always killed at the
     end so nothing the harness left in the background outlives the trajectory."""
@@ -187,7 +200,10 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                log.error("harness process %d did not exit after SIGKILL; the sandbox's stop will end it", proc.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
 

@@ -32,12 +32,22 @@ BASH = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 
 
-def make_client(uds: bool) -> openai.OpenAI:
+def make_client(uds: bool, api_key: str | None = None) -> openai.OpenAI:
+    # OPENAI_BASE_URL and OPENAI_API_KEY come from the agent.
     if not uds:
-        return openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY come from the agent
+        return openai.OpenAI(api_key=api_key, max_retries=0)
     transport = httpx.HTTPTransport(uds=os.environ["ROLLOUTD_OPENAI_SOCKET"])
-    return openai.OpenAI(base_url="http://localhost/v1", max_retries=0,
+    return openai.OpenAI(api_key=api_key, base_url="http://localhost/v1", max_retries=0,
                          http_client=openai.DefaultHttpxClient(transport=transport))
+
+
+def wrong_key_error(uds: bool) -> str:
+    """What the proxy answers a client holding another key."""
+    try:
+        make_client(uds, api_key="not-this-rollouts-key").models.list()
+    except openai.APIStatusError as e:
+        return f"{type(e).__name__} {e.status_code}"
+    return "accepted"
 
 
 def streamed(client: openai.OpenAI, stats: dict, **kwargs: object) -> tuple[dict, str]:
@@ -84,7 +94,7 @@ def main() -> int:
     messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
     seen = {"models": [m.id for m in client.models.list()], "finish_reasons": [], "tool_outputs": [],
             "stream": {"chunks": 0, "usage_chunks": 0, "content_deltas": 0, "tool_call_deltas": 0},
-            "usage": [], "sdk_version": openai.__version__}
+            "usage": [], "sdk_version": openai.__version__, "wrong_key": wrong_key_error(args.uds)}
     for request in range(1, args.max_requests + 1):
         if request == args.rewrite_at:
             first = next(m for m in messages if m["role"] == "assistant")
