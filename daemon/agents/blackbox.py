@@ -135,8 +135,8 @@ class BlackBoxAgent(Agent):
         launch = f"exec bash -c {shlex.quote(cfg.command)}"
         if cfg.loopback:
             shutil.copyfile(sandbox_forwarder.__file__, folder / "forwarder.py")
-            launch = (f"exec {sb.python} {inside}/forwarder.py --socket {inside}/api.sock -- "
-                      f"bash -c {shlex.quote(cfg.command)}")
+            forwarder = shlex.join([sb.python, f"{inside}/forwarder.py", "--socket", f"{inside}/api.sock", "--"])
+            launch = launch.replace("exec", f"exec {forwarder}", 1)
         await server.start()
         t0 = time.monotonic()
         proc: asyncio.subprocess.Process | None = None
@@ -154,6 +154,7 @@ class BlackBoxAgent(Agent):
                 sb.session_ids.discard(proc.pid)
             await asyncio.shield(server.close())
         tail = _tail(folder / "harness.log", cfg.output_tail_bytes)
+        assert proc is not None
         rc = proc.returncode
         finish = session.stop_reason or ("timeout" if timed_out else "completed")
         if finish == "completed" and rc != 0 and not cfg.allow_nonzero_exit:

@@ -28,7 +28,8 @@ What the trajectory holds (:meth:`History.outcome`):
 
 Either way ``metrics["history_segments"]`` describes every segment (why it began, its prompt
 length, its turns, whether it is in the arrays) and ``metrics["history_rewritten"]`` is True
-once any request did not extend the conversation it came from.
+once any request extended no segment (a rewrite, or a second conversation);
+``metrics["history_rewrites"]`` says for each such request what differed.
 """
 
 from __future__ import annotations
@@ -111,12 +112,10 @@ class Segment:
 class Turn:
     """One answered request, as the proxy returns it."""
 
-    segment: int
     message: ChatMessage
     finish_reason: str
     """The API's: ``stop``, ``length`` or ``tool_calls``."""
     prompt_tokens: int
-    text: str
 
 
 @dataclass
@@ -191,7 +190,7 @@ class History:
         segment.turns += 1
         segment.last_turn_at = next(self._turn_seq)
         finish = "length" if result.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        return Turn(segment.index, message, finish, prompt_tokens, text)
+        return Turn(message, finish, prompt_tokens)
 
     @property
     def rewritten(self) -> bool:
