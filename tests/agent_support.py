@@ -28,7 +28,7 @@ from rolloutd.daemon.policy.server import (
     serve_policy,
 )
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
-from rolloutd.daemon.sandbox.base import SandboxSpec
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
 
@@ -85,15 +85,16 @@ class RecordingContext(SandboxAgentContext):
 @contextlib.asynccontextmanager
 async def agent_context(state_dir: Path, instance_id: str, replies: list[str], *, repo: Path | None = None,
                         problem: str = "Fix the bug.", ipython: bool = False, tokenizer: Any = None,
-                        server_options: dict[str, Any] | None = None,
+                        server_options: dict[str, Any] | None = None, backend: SandboxBackend | None = None,
+                        binds: tuple[tuple[str, str, str], ...] = (),
                         **options: Any) -> AsyncIterator[RecordingContext]:
-    """A context over a fresh local sandbox (``repo`` copied into its workspace) and a scripted
-    reference server that answers ``instance_id``'s turns with ``replies``."""
+    """A context over a fresh sandbox (of ``backend``, default local; ``repo`` copied into its
+    workspace) and a scripted reference server that answers ``instance_id``'s turns with ``replies``."""
     plans = ScriptedPlans(plans={instance_id: replies})
     config = PolicyServerConfig(api_key=API_KEY, scripted=plans, **(server_options or {}))
     async with serve_policy(config) as server, \
             await ServerPool.create([server.url], api_key=API_KEY, health_interval_s=0) as pool:
-        lease = await open_lease(LocalBackend(state_dir).create(SandboxSpec(ipython=ipython)))
+        lease = await open_lease((backend or LocalBackend(state_dir)).create(SandboxSpec(ipython=ipython, binds=binds)))
         try:
             if repo is not None:
                 shutil.copytree(repo, lease.sandbox.workspace, dirs_exist_ok=True)

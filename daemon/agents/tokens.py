@@ -113,11 +113,11 @@ class ChatFraming:
             raise ConfigError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
         return text
 
-    def _delta(self, message: Message) -> str:
-        """Text the template adds after the base for ``message`` (+ generation prompt), separator first."""
-        rendered = self.render([*self.base, message], generation_prompt=True)
+    def _delta(self, messages: list[Message]) -> str:
+        """Text the template adds after the base for ``messages`` (+ generation prompt), separator first."""
+        rendered = self.render([*self.base, *messages], generation_prompt=True)
         if not rendered.startswith(self.base_text):
-            raise ConfigError(f"adding a {message['role']!r} message makes the chat template re-render the "
+            raise ConfigError(f"adding a {messages[0]['role']!r} message makes the chat template re-render the "
                               "system and user messages; observations cannot be appended token by token")
         return rendered[self._cut:]
 
@@ -125,7 +125,7 @@ class ChatFraming:
         if role not in self._frames:
             found: list[tuple[str, str]] = []
             for marker in _PLACEHOLDERS:
-                pre, hit, post = self._delta({"role": role, "content": marker}).partition(marker)
+                pre, hit, post = self._delta([{"role": role, "content": marker}]).partition(marker)
                 if hit:
                     found.append((pre, post))
             verbatim = len(found) == len(_PLACEHOLDERS) and len(set(found)) == 1
@@ -138,8 +138,15 @@ class ChatFraming:
         """Separator + the framed message + the generation prompt, as the template writes them."""
         frame = self._frame(role)
         if frame is None:
-            return self._delta({"role": role, "content": content})
+            return self._delta([{"role": role, "content": content}])
         return frame[0] + content + frame[1]
+
+    def messages_text(self, messages: list[Message]) -> str:
+        """:meth:`message_text` for several messages in a row, rendered together: some templates
+        frame consecutive messages as one group (Qwen2.5 puts consecutive tool results in one turn)."""
+        if len(messages) == 1:
+            return self.message_text(messages[0]["role"], messages[0]["content"])
+        return self._delta(messages)
 
 
 @dataclass
@@ -223,16 +230,21 @@ class TokenLedger:
     def add_message(self, role: str, content: str) -> bool:
         """Append an observation (``tool``) or a ``user`` message with its framing (mask 0) and the
         generation prompt; False, with nothing appended, when it would pass max_total_tokens."""
-        new = self.codec.encode(self.framing.message_text(role, content))
+        return self.add_messages([{"role": role, "content": content}])
+
+    def add_messages(self, messages: list[Message]) -> bool:
+        """:meth:`add_message` for several non-assistant messages in a row (parallel tool results,
+        a tool result and a user message), with one generation prompt after the last."""
+        new = self.codec.encode(self.framing.messages_text(messages))
         close = [] if self._closed else [self.eot_id]
         if len(close) + len(new) > self.room:
             return False
         if close:
             self._append_template(close)
             self._closed = True
-        self._msg_start.append(self.response_len)
+        self._msg_start.extend([self.response_len] * len(messages))
         self._append_template(new)
-        self.messages.append({"role": role, "content": content})
+        self.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
         if self.template_check == "every_turn":
             self._check_new(generation_prompt=True, tail="")
         return True

@@ -50,13 +50,16 @@ class PipelineLimits:
 
 class RolloutPipeline:
     def __init__(self, *, sandboxes: WarmPool, inference: ServerPool, tokenizer: Any, limits: PipelineLimits,
-                 cache_dir: Path, image: str = "default") -> None:
+                 cache_dir: Path, image: str = "default", binds: tuple[tuple[str, str, str], ...] = ()) -> None:
+        """``binds``: extra ``(host path, sandbox path, "ro"|"rw")`` binds of every rollout's sandbox
+        (software a black-box harness needs, such as an SDK; the ``local`` backend ignores them)."""
         self.sandboxes = sandboxes
         self.inference = inference
         self.tokenizer = tokenizer
         self.limits = limits
         self.cache_dir = cache_dir
         self.image = image
+        self.binds = binds
         self.gates = {"init": StageGate("init", limits.init), "run": StageGate("run", limits.run),
                       "eval": StageGate("eval", limits.eval)}
         self.admitted = 0
@@ -104,7 +107,7 @@ class RolloutPipeline:
         clock = StageClock(args.timeout_s)
         task_type = get_task_type(task.type)
         spec = SandboxSpec(image=task.image if task.image != "default" else self.image,
-                           network=args.network, ipython=args.ipython)
+                           network=args.network, ipython=args.ipython, binds=self.binds)
         lease: Lease | None = None
         agent = make_agent(args.agent, args.agent_config)
         outcome: AgentOutcome | None = None

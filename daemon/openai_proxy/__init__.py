@@ -1,0 +1,13 @@
+"""An OpenAI-compatible proxy for black-box agents: a harness that speaks the chat API gets a
+per-rollout ``/v1/chat/completions`` (tools, streaming) and ``/v1/models`` on a Unix socket in
+its sandbox, while rolloutd keeps the token history the model really saw.
+
+``protocol`` holds the wire shapes, ``history`` the token bookkeeping (segments and history
+rewrites), ``session`` one rollout's request handling, ``server`` the HTTP server on the socket,
+``sandbox_forwarder`` the loopback relay run inside the sandbox. The agent that runs a harness
+with it is ``rolloutd.daemon.agents.blackbox``.
+"""
+
+# The agents package registers the blackbox agent, which is built on this package: loading it
+# first lets either package be imported first without a circular half-initialised import.
+import rolloutd.daemon.agents  # noqa: F401

@@ -1,0 +1,154 @@
+"""The per-rollout HTTP server: OpenAI's chat routes on a Unix socket in the sandbox's run folder.
+
+Routes: ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``),
+``GET /v1/models``, ``GET /v1/models/{id}``. Every route needs ``Authorization: Bearer <key>``
+with the rollout's own key. The socket sits in the lease's run folder, which the sandbox sees
+at ``/run/rolloutd``; nothing listens on TCP (a harness that needs a URL gets one from the
+loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
+
+A streamed reply is written once the whole turn is generated (the inference pool returns whole
+turns): the role, the content in pieces, each tool call, the finish reason, the usage when
+``stream_options.include_usage`` is set, then ``data: [DONE]``.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests
+refused (the SDK does not retry them), 401 for a wrong key, 502 when the inference servers
+failed (the SDK retries; the history is unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rolloutd.native_io.errors import BadRequest, ConfigError, InferenceError, InferenceRejected
+
+from .protocol import error_body, model_body, models_body, parse_chat_request
+from .session import ProxySession
+
+log = logging.getLogger(__name__)
+
+MAX_SOCKET_PATH = 107
+MAX_BODY_BYTES = 64 * 1024 * 1024
+CLOSE_TIMEOUT_S = 5.0
+
+
+def _error(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, type_=type_, code=code, param=param), status=status)
+
+
+class OpenAIProxyServer:
+    """Serves one :class:`ProxySession` on ``socket_path`` until :meth:`close`."""
+
+    def __init__(self, session: ProxySession, *, api_key: str, socket_path: Path) -> None:
+        if not api_key:
+            raise ConfigError("the OpenAI proxy needs an API key")
+        if len(str(socket_path).encode()) > MAX_SOCKET_PATH:
+            raise ConfigError(f"socket path {socket_path} is longer than the {MAX_SOCKET_PATH}-byte Unix-socket "
+                              "limit; use a shorter sandbox state folder")
+        self.session = session
+        self.socket_path = socket_path
+        self._key = api_key.encode()
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        # A harness that disconnects mid-turn cancels the turn: it never saw the reply, so the
+        # history must not hold it.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        await runner.setup()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        try:
+            await web.UnixSite(runner, str(self.socket_path)).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        # The sandbox runs as this user (or as root mapped onto it); the key is the access check.
+        self.socket_path.chmod(0o600)
+        self._runner = runner
+
+    async def close(self) -> None:
+        """Stop serving: requests in flight are cancelled (their turns are not recorded)."""
+        self._closing = True
+        for task in list(self._in_flight):
+            task.cancel()
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=CLOSE_TIMEOUT_S)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._closing:
+            return _error(503, "the rollout is over; this proxy no longer serves requests", type_="server_error",
+                          code="rolloutd_trajectory_ended")
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            return _error(401, "Incorrect API key provided: use the key in OPENAI_API_KEY of this rollout",
+                          code="invalid_api_key")
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._in_flight.discard(task)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_body(self.session.model, self._created))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.session.model:
+            return _error(404, f"The model {name!r} does not exist; this proxy serves {self.session.model!r}",
+                          code="model_not_found", param="model")
+        return web.json_response(model_body(name, self._created))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"the request body is not valid JSON: {e}")
+        try:
+            chat = parse_chat_request(body)
+            completion = await self.session.complete(chat)
+        except BadRequest as e:
+            return _error(400, str(e), code=_str(e.details.get("code")), param=_str(e.details.get("param")))
+        except InferenceRejected as e:
+            return _error(400, f"the inference server refused the turn: {e}", code="inference_rejected")
+        except InferenceError as e:
+            return _error(502, f"the inference servers failed this turn; retry it: {e}", type_="server_error",
+                          code=e.code.lower())
+        except ConfigError as e:
+            return _error(400, str(e))
+        if not chat.stream:
+            return web.json_response(completion.body())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in completion.chunks(include_usage=chat.include_usage):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _str(value: object) -> str | None:
+    return None if value is None else str(value)
