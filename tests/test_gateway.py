@@ -99,6 +99,13 @@ async def test_token_required_on_every_route_and_lifecycle_statuses(stack: tuple
         assert (await http("POST", "/stop"))[0] == 503
 
 
+async def test_start_without_a_node_daemon_is_503(short_tmp: Path) -> None:
+    async with gateway(f"ipc://{short_tmp}/no-node.sock") as (http, gw):
+        status, body = await http("POST", "/start")
+        assert (status, body["code"]) == (503, "DAEMON_UNAVAILABLE") and "rolloutd node start" in body["detail"], body
+        assert not gw.running
+
+
 async def test_process_a_bundled_task_and_an_inline_one(stack: tuple[str, str]) -> None:
     address, url = stack
     async with gateway(address) as (http, gw):

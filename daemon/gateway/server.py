@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from aiohttp import web
 
 from rolloutd.client.async_client import default_address
@@ -252,8 +253,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="accept data_source NAME for the JSONL dataset PATH on the node (repeatable)")
     p.add_argument("--inference-server", action="append", default=[], metavar="URL",
                    help="as POST /add_llm_server before the first /start (repeatable)")
-    p.add_argument("--start", action="store_true", help="accept jobs at once, as after POST /start")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--start", action="store_true", help="accept jobs at once, as after POST /start")
     return p
 
 
@@ -262,20 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        listen = Listen.parse(args.bind, allow_remote=args.allow_remote)
-        token = read_token(args.token_file)
         if args.timeout_s <= 0 or (args.process_wait_s is not None and args.process_wait_s <= 0):
             raise ConfigError("--timeout-s and --process-wait-s must be > 0")
         config = GatewayConfig(address=args.address or default_address(), timeout_s=args.timeout_s,
                                process_wait_s=args.process_wait_s, sources=DataSources.parse(args.dataset))
-        try:
-            import uvloop
-            loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-        except ImportError:
-            loop_factory = None
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(_serve_until_signal(config, listen, token, start=args.start,
-                                           servers=args.inference_server))
+        listen = Listen.parse(args.bind, allow_remote=args.allow_remote)
+        uvloop.run(_serve_until_signal(config, listen, read_token(args.token_file), start=args.start,
+                                       servers=args.inference_server))
     except (RolloutdError, OSError) as e:
         log.error("%s", e)
         return 2

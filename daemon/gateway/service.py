@@ -152,7 +152,11 @@ class Gateway:
     async def _has_inference_server(self) -> bool:
         if self.added:
             return True
-        servers = node_servers(await self.client.status(timeout_s=self.config.control_timeout_s))
+        try:
+            status = await self.client.status(timeout_s=self.config.control_timeout_s)
+        except RolloutdError as e:
+            raise DaemonUnavailable(f"the node daemon at {self.config.address} does not answer ({e.code}: {e})") from e
+        servers = node_servers(status)
         return servers is None or bool(servers)
 
     # --- jobs -----------------------------------------------------------------------------------
