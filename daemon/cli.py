@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("policy-server", help="the reference CPU policy over vLLM/SGLang HTTP routes (see --help)")
+    sub.add_parser("gateway", help="the published rollout server's HTTP API in front of a node (see --help)")
 
     _add_node_parser(sub)
     _add_router_parser(sub)
@@ -209,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .policy.server import main as policy_main
 
         return policy_main(argv[1:])
+    if argv[:1] == ["gateway"]:
+        from .gateway.server import main as gateway_main
+
+        return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

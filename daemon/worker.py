@@ -162,7 +162,14 @@ class Worker:
             return
         task = asyncio.get_running_loop().create_task(self._handle(rid, header, buffers))
         self.tasks[rid] = task
-        task.add_done_callback(lambda _t, rid=rid: self.tasks.pop(rid, None))
+        task.add_done_callback(functools.partial(self._finished, rid))
+
+    def _finished(self, rid: str, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(rid, None)
+        if task.cancelled():
+            # Cancelled before its first step (the CANCEL came in the same read as the request):
+            # _handle never ran, so the request's one answer is given here.
+            self._send_error(rid, Cancelled(f"request {rid} was cancelled before it started"))
 
     async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any]) -> None:
         # Pinned ops are never re-dispatched anyway; a rollout is "started" only once a sample enters

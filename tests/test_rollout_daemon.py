@@ -96,6 +96,21 @@ async def test_cancel_and_busy_through_the_daemon(short_tmp: Path) -> None:
             assert st["sandboxes"]["leased"] == 0
 
 
+async def test_cancel_right_after_submit_is_answered(short_tmp: Path) -> None:
+    """A CANCEL that reaches the worker in the same read as its request (before the request's task
+    first runs) still gets the request its one final answer."""
+    with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        async with AsyncRolloutClient(address) as client:
+            slow = {"type": "command", "instance_id": "slow", "eval_script": "echo 1"}
+            for _ in range(20):
+                (rid,) = await client.submit([RolloutRequest(task=slow, agent="script", ipython=False,
+                                                             agent_config={"commands": ["sleep 60"]})])
+                await client.cancel(rid)
+                result = (await client.results([rid], timeout_s=10))[rid]
+                assert result.error is not None or [t.finish_reason for t in result.trajectories] in ([], ["cancelled"])
+                await client.release(result)
+
+
 def test_unknown_task_is_a_clear_error(short_tmp: Path) -> None:
     with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "0") as address:
         with RolloutClient(address) as client:

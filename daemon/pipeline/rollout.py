@@ -67,7 +67,7 @@ class RolloutPipeline:
 
     def stats(self) -> dict[str, Any]:
         return {"stages": {name: g.stats() for name, g in self.gates.items()}, "admitted": self.admitted,
-                "queue_limit": self.limits.queue, **self.counters}
+                "queue_limit": self.limits.queue, "inference": self.inference.status(), **self.counters}
 
     async def run_request(self, request_id: str, args: RolloutArgs,
                           on_start: Callable[[], None] | None = None) -> list[Trajectory]:

@@ -1,0 +1,280 @@
+"""``rolloutd gateway``: the published rollout server's HTTP API in front of a node daemon or router.
+
+::
+
+    rolloutd gateway --token-file TOKEN [--bind 127.0.0.1:8006] [--address ipc://...|tcp://...]
+                     [--timeout-s 300] [--process-wait-s S] [--dataset NAME=/abs/file.jsonl]...
+                     [--inference-server URL]... [--start] [--allow-remote]
+
+Every route needs ``Authorization: Bearer <token>`` (401 otherwise). The gateway binds a loopback
+address unless ``--allow-remote`` says otherwise. It prints one line ``READY http://HOST:PORT``
+once it serves and stops on SIGTERM or SIGINT. Errors answer ``{"detail": ..., "code": ...}``
+with the published server's statuses: 503 when not started or no inference server is registered
+(also when the node is busy or unreachable), 504 when a job outlives its wait (it is cancelled),
+400 for an unknown data source or a malformed body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from rolloutd.client.async_client import default_address
+from rolloutd.native_io.errors import (
+    BadRequest,
+    Busy,
+    ConfigError,
+    DaemonUnavailable,
+    InferenceError,
+    NoInferenceServer,
+    NotFound,
+    OperationTimeout,
+    RolloutdError,
+    ShuttingDown,
+    TaskError,
+)
+
+from ..policy.state import read_json
+from .mapping import DataSources
+from .service import Gateway, GatewayConfig
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ROLLOUTD_GATEWAY_TOKEN"
+DEFAULT_BIND = "127.0.0.1:8006"
+"""The published server's port, on loopback."""
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Listen:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, bind: str, *, allow_remote: bool) -> Listen:
+        host, sep, port = bind.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"--bind {bind!r}: write HOST:PORT, e.g. {DEFAULT_BIND} (port 0 picks a free one)")
+        if not allow_remote and not _is_loopback(host):
+            raise ConfigError(f"--bind {bind!r} is not a loopback address: the gateway would take jobs from the "
+                              "network over plain HTTP. Pass --allow-remote to mean it (then keep the token secret "
+                              "and prefer an SSH tunnel or a TLS proxy in front)")
+        return cls(host, int(port))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(token_file: Path | None) -> str:
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read the gateway token from {token_file}: {e}") from e
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ConfigError(f"the gateway needs a bearer token: --token-file FILE (non-empty) or ${TOKEN_ENV}")
+    return token
+
+
+def http_status(e: RolloutdError) -> int:
+    if isinstance(e, OperationTimeout):
+        return 504
+    if isinstance(e, (NoInferenceServer, Busy, DaemonUnavailable, ShuttingDown)):
+        return 503
+    if isinstance(e, (BadRequest, ConfigError, TaskError)):
+        return 400
+    if isinstance(e, NotFound):
+        return 404
+    if isinstance(e, InferenceError):
+        return 502
+    return 500
+
+
+def _error(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"detail": detail, "code": code}, status=status)
+
+
+def _middlewares(token: str) -> list[Any]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            response = _error(401, "UNAUTHORIZED", "send the gateway's token as 'Authorization: Bearer <token>'")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RolloutdError as e:
+            status = http_status(e)
+            if status >= 500:
+                log.warning("%s %s -> %d %s: %s", request.method, request.path, status, e.code, e)
+            return _error(status, e.code, str(e))
+
+    return [auth, errors]
+
+
+def _running(handler: Handler) -> Handler:
+    """Routes that need a started gateway answer 503 before, as the published server does."""
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        if not request.app[GATEWAY].running:
+            return _error(503, "NOT_RUNNING", "the gateway is not running: POST /start first")
+        return await handler(request)
+
+    return wrapped
+
+
+async def _start(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[GATEWAY].start())
+
+
+async def _stop(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[GATEWAY].stop())
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[GATEWAY].status())
+
+
+async def _add_llm_server(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    return web.json_response(await request.app[GATEWAY].add_server(body.get("address")))
+
+
+async def _clear_llm_server(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[GATEWAY].clear_servers())
+
+
+async def _process(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    result = await request.app[GATEWAY].process(body.get("instance"), body.get("sampling_params", {}),
+                                                body.get("job_id"))
+    return web.json_response(result)
+
+
+async def _cancel(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    return web.json_response(await request.app[GATEWAY].cancel(body.get("job_id")))
+
+
+def build_app(gateway: Gateway, token: str) -> web.Application:
+    app = web.Application(middlewares=_middlewares(token), client_max_size=64 * 1024 * 1024)
+    app[GATEWAY] = gateway
+    app.router.add_post("/start", _start)
+    app.router.add_post("/stop", _running(_stop))
+    app.router.add_get("/status", _running(_status))
+    app.router.add_post("/add_llm_server", _add_llm_server)
+    app.router.add_post("/clear_llm_server", _clear_llm_server)
+    app.router.add_post("/process", _running(_process))
+    app.router.add_post("/cancel", _running(_cancel))
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(config: GatewayConfig, listen: Listen, token: str) -> AsyncIterator[tuple[str, Gateway]]:
+    """Serve in this event loop: ``async with serve_gateway(cfg, listen, token) as (url, gw)``."""
+    gateway = Gateway(config)
+    runner = web.AppRunner(build_app(gateway, token), access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, listen.host, listen.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        host = f"[{listen.host}]" if ":" in listen.host else listen.host
+        yield f"http://{host}:{port}", gateway
+    finally:
+        # Pending jobs end first (503), so the HTTP side has nothing left to wait for.
+        if gateway.running:
+            await gateway.stop()
+        await runner.cleanup()
+        await gateway.close()
+
+
+async def _serve_until_signal(config: GatewayConfig, listen: Listen, token: str, *, start: bool,
+                              servers: list[str]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve_gateway(config, listen, token) as (url, gateway):
+        for spec in servers:
+            await gateway.add_server(spec)
+        if start:
+            await gateway.start()
+        print(f"READY {url}", flush=True)
+        log.info("gateway at %s forwarding to %s (%s)", url, config.address,
+                 "running" if gateway.running else "waiting for POST /start")
+        await stop.wait()
+        log.info("stopping")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rolloutd gateway", description="The published rollout server's HTTP API "
+                                "(/process, /cancel, /status, /add_llm_server, /clear_llm_server, /start, /stop) "
+                                "in front of a rolloutd node daemon or router.")
+    p.add_argument("--bind", default=DEFAULT_BIND, help=f"HOST:PORT to listen on (default {DEFAULT_BIND})")
+    p.add_argument("--allow-remote", action="store_true", help="allow a --bind address that is not loopback")
+    p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (or set ${TOKEN_ENV})")
+    p.add_argument("--address", help="node daemon or router (default: $ROLLOUTD_ADDRESS or this user's node)")
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="stage time a job may use, queue waits excluded (the published server's --timeout)")
+    p.add_argument("--process-wait-s", type=float, default=None,
+                   help="how long /process waits before 504 and cancel (default 2 x timeout + 10)")
+    p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH",
+                   help="accept data_source NAME for the JSONL dataset PATH on the node (repeatable)")
+    p.add_argument("--inference-server", action="append", default=[], metavar="URL",
+                   help="as POST /add_llm_server before the first /start (repeatable)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--start", action="store_true", help="accept jobs at once, as after POST /start")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.timeout_s <= 0 or (args.process_wait_s is not None and args.process_wait_s <= 0):
+            raise ConfigError("--timeout-s and --process-wait-s must be > 0")
+        config = GatewayConfig(address=args.address or default_address(), timeout_s=args.timeout_s,
+                               process_wait_s=args.process_wait_s, sources=DataSources.parse(args.dataset))
+        listen = Listen.parse(args.bind, allow_remote=args.allow_remote)
+        uvloop.run(_serve_until_signal(config, listen, read_token(args.token_file), start=args.start,
+                                       servers=args.inference_server))
+    except (RolloutdError, OSError) as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
