@@ -131,6 +131,7 @@ class AsyncRolloutClient:
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(Cancelled("client closed"))
+                fut.exception()  # retrieved here: nobody may be awaiting it any more
         if self._handshakes is not None:
             self._handshakes.close()
             self._handshakes = None

@@ -461,10 +461,14 @@ class Supervisor:
         """Workers started later (restarts) get the same inference set-up through their config."""
         args = parse_args(p.op, framing.decode(p.frames, max_bytes=1 << 62, known_types=CLIENT_TYPES)[1]["args"])
         servers = self.config.inference_servers
+
+        def url(spec: str) -> str:  # "sglang+http://h:p" and "http://h:p" name the same server
+            return spec.split("+", 1)[1] if "+" in spec.split("://", 1)[0] else spec
+
         if p.op == "inference.add_server" and args.address not in servers:
             servers.append(args.address)
-        elif p.op == "inference.remove_server" and args.address in servers:
-            servers.remove(args.address)
+        elif p.op == "inference.remove_server":
+            servers[:] = [s for s in servers if url(s) != url(args.address)]
         elif p.op == "inference.set_weight_version":
             self.config.inference_weight_version = args.version
 

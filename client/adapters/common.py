@@ -7,6 +7,8 @@ environment that has none of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import importlib
 import logging
@@ -18,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from rolloutd.client.history_segments import split_history_segments
 from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest, ConfigError, MissingDependency
 
@@ -34,15 +37,25 @@ class Decoder(Protocol):
 
 
 def as_trajectory_list(trajectories: Trajectory | Sequence[Trajectory]) -> list[Trajectory]:
-    """One trajectory or several, as a non-empty list."""
-    if isinstance(trajectories, Trajectory):
-        return [trajectories]
-    out = list(trajectories)
-    if not out:
+    """One trajectory or several, as a non-empty list; a trajectory whose history was rewritten
+    (several segments from the OpenAI proxy) becomes one trajectory per segment, because a trainer
+    must never condition a segment on tokens the model did not see with it."""
+    items = [trajectories] if isinstance(trajectories, Trajectory) else list(trajectories)
+    if not items:
         raise BadRequest("no trajectories to convert: pass at least one Trajectory")
-    for i, t in enumerate(out):
+    out = []
+    for i, t in enumerate(items):
         if not isinstance(t, Trajectory):
             raise BadRequest(f"item {i} is a {type(t).__name__}, not a rolloutd Trajectory")
+        segments = split_history_segments(t)
+        if len(segments) == 1:
+            out.append(t)
+            continue
+        for k, seg in enumerate(segments):
+            out.append(dataclasses.replace(
+                t, prompt_ids=seg.prompt_ids, response_ids=seg.response_ids, response_mask=seg.response_mask,
+                response_logprobs=seg.response_logprobs, turns=seg.turns, num_turns=len(seg.turns),
+                segments=[(0, len(seg.response_ids))], metrics={**t.metrics, "history_segment": k}))
     return out
 
 

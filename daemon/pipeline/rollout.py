@@ -5,8 +5,8 @@ set-up, prepared once per task and copied), runs the agent (run), and is evaluat
 sandbox (eval), which is then released. Gates bound each stage separately, so a sample waiting
 for an eval slot holds no agent slot and never delays another sample's turns. Only time inside
 stages counts against the time-outs. Every sample ends as a trajectory: completed, or with the
-finish reason that stopped it (``timeout``, ``cancelled``, ``error`` with code and message) and
-whatever tokens it had produced.
+finish reason that stopped it (``timeout``, ``cancelled``, ``error`` with code and message); a
+trajectory stopped by its deadline keeps the tokens produced so far, a cancelled one has none.
 """
 
 from __future__ import annotations
