@@ -40,8 +40,13 @@ demo: deps apptainer image
 test: setup
 	$(PY) -m pytest
 
+BENCHES := command_latency client_latency token_transfer inference_overhead agent_turn_cpu pipeline_overlap \
+           inference_utilisation rollout_throughput federation
+
+# Every bench in quick mode; each writes its numbers to out/bench/<name>.json (a miss does not stop the rest).
 bench: setup
-	$(PY) bench/command_latency.py --quick
+	mkdir -p out/bench
+	for b in $(BENCHES); do $(PY) bench/$$b.py --quick --json out/bench/$$b.json || echo "bench $$b missed a target"; done
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
