@@ -8,7 +8,6 @@ on the `local` backend so only the transport differs.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os

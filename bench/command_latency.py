@@ -9,7 +9,6 @@ instance start. Every baseline is measured in this run: the ratios are what coun
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import shutil

@@ -75,7 +75,7 @@ def main() -> int:
     ideal = ideal_seconds(n, measured)
     results = {"staged_rps": n / staged, "sequential_rps": 1 / sequential, "ideal_rps": n / ideal,
                "ideal_nominal_rps": n / ideal_seconds(n, DURATIONS)}
-    print(f"measured mean stage seconds: " + ", ".join(f"{s} {d:.3f}" for s, d in measured.items()))
+    print("measured mean stage seconds: " + ", ".join(f"{s} {d:.3f}" for s, d in measured.items()))
     print_table(f"{n} eval-heavy rollouts (init {DURATIONS['init']} s, run {DURATIONS['run']} s, "
                 f"eval {DURATIONS['eval']} s of sleep; slots {SLOTS})", ["schedule", "rollouts/s", "batch s", "x sequential"],
                 [["staged pipeline (ours)", results["staged_rps"], staged, results["staged_rps"] / results["sequential_rps"]],

@@ -7,7 +7,6 @@ is mapped with MAP_POPULATE), so nothing is deferred past the measured call.
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import tempfile

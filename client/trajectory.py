@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "timeout", "cancelled", "error"})
-STAGES = ("init", "run", "eval")
 
 
 @dataclass

@@ -169,7 +169,7 @@ OPS: dict[str, type] = {
     "inference.resume": StatusArgs,
     "debug.sleep": SleepArgs,
 }
-"""Ops a node answers. The rollout pipeline registers its own (see ``register_op``)."""
+"""Ops a node answers, and the dataclass their ``args`` must match."""
 
 PINNED_OPS = frozenset({"sandbox.run", "sandbox.ipython", "sandbox.close"})
 """Ops that must go to the worker that owns ``args["sandbox_id"]``."""
@@ -178,9 +178,6 @@ BROADCAST_OPS = frozenset({"inference.add_server", "inference.remove_server", "i
                            "inference.pause", "inference.resume"})
 """Ops every worker must apply (each runs its own inference pool); answered once all have."""
 
-
-def register_op(name: str, args_type: type) -> None:
-    OPS[name] = args_type
 
 
 # --- results -----------------------------------------------------------------------------------

@@ -148,8 +148,6 @@ class Router(BroadcastOps):
         finally:
             self._close_sockets()
 
-    def request_stop(self) -> None:
-        self._stop.set()
 
     def _open_sockets(self) -> None:
         cfg = self.config

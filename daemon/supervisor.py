@@ -179,8 +179,6 @@ class Supervisor:
         finally:
             self._cleanup_files()
 
-    def request_stop(self) -> None:
-        self._stop.set()
 
     async def _wait_workers_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
