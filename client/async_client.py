@@ -100,6 +100,7 @@ class AsyncRolloutClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._rollouts: dict[str, asyncio.Future[Reply]] = {}
         self._held_segments: set[str] = set()
+        self._segment_maps = shm.SegmentMaps()
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
         self._id_prefix = uuid.uuid4().hex[:16] + "-"
         self._ids = itertools.count()
@@ -128,6 +129,7 @@ class AsyncRolloutClient:
             with contextlib.suppress(Exception):
                 self._send(MsgType.RELEASE, {"segments": sorted(self._held_segments)})
             self._held_segments.clear()
+        self._segment_maps.clear()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(Cancelled("client closed"))
@@ -191,7 +193,7 @@ class AsyncRolloutClient:
         arrays = framing.arrays_from_frames([r for r in refs if r.segment is None], buffers)
         segments = sorted({r.segment for r in shm_refs if r.segment})
         if shm_refs:
-            arrays.update(shm.map_segments(shm_refs))
+            arrays.update(self._segment_maps.map(shm_refs))
             self._held_segments.update(segments)
         return Reply(header.get("result") or {}, arrays, segments)
 

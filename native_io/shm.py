@@ -11,6 +11,7 @@ The supervisor tracks it while a client holds it. When the client releases it (o
 is gone past the lease), the segment goes back to the worker's arena and is refilled by a later
 reply: rewriting pages that already exist costs a memcpy, while fresh tmpfs pages cost a fault
 each (half the time of a 9 MB transfer here). So ``release`` means "done with these arrays".
+The reader keeps its mappings too (:class:`SegmentMaps`), so a refilled segment costs it nothing.
 Idle segments beyond the arena's cap are unlinked, and everything is unlinked at shutdown.
 
 Segments are opened as plain files under /dev/shm, not through ``multiprocessing.shared_memory``:
@@ -22,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -121,39 +123,64 @@ class SegmentArena:
             self._drop(name)
 
 
-def map_segments(refs: Iterable[ArrayRef]) -> dict[str, np.ndarray]:
-    """Read-only numpy views over the named segments.
+class SegmentMaps:
+    """A reader's mappings of segments, kept across replies.
 
-    One mapping per segment, with MAP_POPULATE: every page is mapped before this returns, so no
-    cost is deferred to the first read.
+    A worker refills a released segment for a later reply, so the same file comes back again and
+    again; mapping it anew each time would cost a populate (about 0.8 ms per 9 MB here) for pages
+    already mapped. A mapping is reused while the file under the name is the same (inode and
+    size); the least recently used go once the total passes ``max_bytes`` (an unlinked segment's
+    memory is only freed when its last mapping goes). Views handed out keep their own mapping
+    alive, so dropping one here never invalidates arrays a caller still holds.
     """
-    bases: dict[str, np.ndarray] = {}
-    out = {}
-    for ref in refs:
-        assert ref.segment is not None
-        base = bases.get(ref.segment)
-        if base is None:
-            base = bases[ref.segment] = _map(ref.segment)
-        if ref.offset + ref.nbytes > base.size:
-            raise BadRequest(f"array {ref.key!r} reaches past the end of segment {ref.segment}")
-        out[ref.key] = base[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
-    return out
 
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[str, tuple[tuple[int, int], np.ndarray]] = OrderedDict()
 
-def _map(name: str) -> np.ndarray:
-    try:
-        fd = os.open(SHM_DIR / _check_name(name), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(
-            f"shared-memory segment {name} is gone (released, or reclaimed after the client's lease ran "
-            "out); ask again or use the frames transport"
-        ) from None
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)
+    def map(self, refs: Iterable[ArrayRef]) -> dict[str, np.ndarray]:
+        """Read-only numpy views over the named segments; every page is mapped before this returns
+        (MAP_POPULATE on a new mapping), so no cost is deferred to the first read."""
+        bases: dict[str, np.ndarray] = {}
+        out = {}
+        for ref in refs:
+            assert ref.segment is not None
+            base = bases.get(ref.segment)
+            if base is None:
+                base = bases[ref.segment] = self._base(ref.segment)
+            if ref.offset + ref.nbytes > base.size:
+                raise BadRequest(f"array {ref.key!r} reaches past the end of segment {ref.segment}")
+            out[ref.key] = base[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).reshape(ref.shape)
+        return out
+
+    def _base(self, name: str) -> np.ndarray:
+        try:
+            fd = os.open(SHM_DIR / _check_name(name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound(
+                f"shared-memory segment {name} is gone (released, or reclaimed after the client's lease ran "
+                "out); ask again or use the frames transport"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            identity = (st.st_ino, st.st_size)
+            cached = self._maps.get(name)
+            if cached is not None and cached[0] == identity:
+                self._maps.move_to_end(name)
+                return cached[1]
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        base = np.frombuffer(mm, dtype=np.uint8)
+        self._maps[name] = (identity, base)
+        self._maps.move_to_end(name)
+        total = sum(b.size for _, b in self._maps.values())
+        while total > self.max_bytes and len(self._maps) > 1:
+            total -= self._maps.popitem(last=False)[1][1].size
+        return base
+
+    def clear(self) -> None:
+        self._maps.clear()
 
 
 def unlink(name: str) -> bool:

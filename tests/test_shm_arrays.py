@@ -91,7 +91,7 @@ def test_reader_exit_does_not_unlink_the_writers_segment(short_tmp: Path) -> Non
         code = (
             "import sys, pickle; from rolloutd.native_io import shm, framing;"
             "refs=[framing.ArrayRef.from_wire(r) for r in pickle.loads(bytes.fromhex(sys.argv[1]))];"
-            "a=shm.map_segments(refs); assert int(a['x'].sum()) == 45"
+            "a=shm.SegmentMaps().map(refs); assert int(a['x'].sum()) == 45"
         )
         import pickle
 
@@ -101,3 +101,29 @@ def test_reader_exit_does_not_unlink_the_writers_segment(short_tmp: Path) -> Non
     finally:
         arena.close()
     assert not (SHM / name).exists()
+
+
+def test_reader_keeps_a_refilled_segment_mapped_and_remaps_a_replaced_one() -> None:
+    arena = shm.SegmentArena(f"rld-test-{os.getpid()}-maps-")
+    maps = shm.SegmentMaps()
+    try:
+        first_refs = arena.write({"x": np.arange(10, dtype=np.int32)})
+        first = maps.map(first_refs)["x"]
+        first_name = first_refs[0].segment
+        assert first_name is not None
+        arena.free([first_name])
+        refs = arena.write({"x": np.arange(10, 20, dtype=np.int32)})
+        again = maps.map(refs)["x"]
+        assert refs[0].segment == first_name, "the arena did not reuse the released segment"
+        assert again.base is first.base, "a refilled segment was mapped a second time"
+        assert int(again.sum()) == sum(range(10, 20))
+        # Another file under the same name (a restarted writer): the old mapping must not be used.
+        shm.unlink(first_name)
+        fd = os.open(SHM / first_name, os.O_RDWR | os.O_CREAT, 0o600)
+        os.write(fd, np.full(16, 7, dtype=np.int32).tobytes())
+        os.close(fd)
+        replaced = maps.map(refs)["x"]
+        assert replaced.base is not first.base and int(replaced.sum()) == 70
+        assert int(first.sum()) == sum(range(10, 20)), "arrays from the old mapping changed under the caller"
+    finally:
+        arena.close()
