@@ -9,8 +9,8 @@ Why this shape:
 - After the command the shell prints ``\\x1eRLD<token>:<exit code>\\x1e`` with a fresh random
   token, so no output can fake the end of a command. Echo and ``\\n``→``\\r\\n`` are off, so the
   output is byte-exact.
-- The PTY file descriptor is attached to the loop with ``add_reader``; the child is reaped
-  through a pidfd. Nothing here blocks the loop except the fork itself, which runs in a thread.
+- The PTY file descriptor is attached to the loop with ``add_reader``; the child is started
+  with vfork, not fork (see ``spawn``), and reaped through a pidfd.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ptyprocess
-
 from .errors import CommandTimeout, SessionError
 from .output import OutputCollector
+from .spawn import Child, spawn_pty
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +79,9 @@ class PtySession:
     def __init__(self, config: PtyShellConfig, *, name: str = "shell") -> None:
         self.config = config
         self.name = name
-        self._proc: ptyprocess.PtyProcess | None = None
-        self._pidfd: int | None = None
+        self._proc: Child | None = None
+        self._fd: int | None = None
+        """The terminal's controller side."""
         self._exited: asyncio.Future[int] | None = None
         self._scan = bytearray()
         self._collector: OutputCollector | None = None
@@ -110,19 +110,14 @@ class PtySession:
         cfg.command_dir_host.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {**os.environ, "PS1": "", "PS2": "", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **cfg.env}
         try:
-            self._proc = await self._loop.run_in_executor(
-                None,
-                lambda: ptyprocess.PtyProcess.spawn(
-                    cfg.argv, env=env, cwd=cfg.cwd, echo=False, dimensions=(50, 250)
-                ),
-            )
-        except (OSError, ptyprocess.PtyProcessError) as e:
+            self._proc, fd = await spawn_pty(cfg.argv, env=env, cwd=cfg.cwd, rows=50, cols=250)
+        except OSError as e:
             raise SessionError(f"cannot start shell {cfg.argv[0]!r}: {e}") from e
-        fd = self._proc.fd
+        self._fd = fd
         os.set_blocking(fd, False)
         self._exited = self._loop.create_future()
-        self._pidfd = os.pidfd_open(self._proc.pid)
-        self._loop.add_reader(self._pidfd, self._on_child_exit)
+        proc = self._proc
+        self._proc.on_exit(lambda code: self._on_child_exit(proc, code))
         self._loop.add_reader(fd, self._on_readable)
         # Belt and braces: echo may be re-enabled by the first exec in the container; job control
         # off so background jobs print no "[1] 1234" notices.
@@ -171,41 +166,24 @@ class PtySession:
         self._detach()
 
     def _signal_group(self, sig: int) -> None:
-        if self._proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, sig)
+        if self._proc is not None:
+            self._proc.signal_group(sig)
 
     def _detach(self) -> None:
-        proc = self._proc
-        if proc is None:
+        if self._proc is None:
             return
-        loop = self._loop
-        assert loop is not None
+        assert self._loop is not None and self._fd is not None
         with contextlib.suppress(ValueError, OSError):
-            loop.remove_reader(proc.fd)
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+            self._loop.remove_reader(self._fd)
         with contextlib.suppress(OSError):
-            proc.fileobj.close()  # owns the PTY descriptor
-        # We reaped the child and closed the fd ourselves; stop ptyprocess' __del__ from
-        # calling its blocking close().
-        proc.closed = True
-        proc.terminated = True
+            os.close(self._fd)
         self._proc = None
+        self._fd = None
 
-    def _on_child_exit(self) -> None:
-        assert self._proc is not None and self._exited is not None and self._loop is not None
-        try:
-            pid, status = os.waitpid(self._proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = self._proc.pid, 0
-        if pid == 0:
-            return
-        self._loop.remove_reader(self._pidfd)  # type: ignore[arg-type]
-        code = os.waitstatus_to_exitcode(status)
+    def _on_child_exit(self, proc: Child, code: int) -> None:
+        if proc is not self._proc:
+            return  # a shell already given up on (killed, detached, maybe replaced)
+        assert self._exited is not None
         # Drain what the shell printed before it died; no sentinel can follow now.
         self._on_readable()
         if self._collector is not None:
@@ -219,15 +197,15 @@ class PtySession:
     # --- I/O -------------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        assert self._proc is not None
+        assert self._fd is not None and self._loop is not None
         while True:
             try:
-                chunk = os.read(self._proc.fd, 1 << 16)
+                chunk = os.read(self._fd, 1 << 16)
             except BlockingIOError:
                 return
             except OSError:  # EIO: the shell side of the PTY is closed
                 with contextlib.suppress(ValueError, OSError):
-                    self._loop.remove_reader(self._proc.fd)  # type: ignore[union-attr]
+                    self._loop.remove_reader(self._fd)
                 return
             if not chunk:
                 return
@@ -256,11 +234,11 @@ class PtySession:
             del self._scan[:cut]
 
     def _write(self, data: bytes) -> None:
-        assert self._proc is not None
+        assert self._fd is not None
         view = memoryview(data)
         while view:
             try:
-                n = os.write(self._proc.fd, view)
+                n = os.write(self._fd, view)
             except BlockingIOError:
                 # The line is tiny; a full PTY input queue means the shell is wedged.
                 raise SessionError(f"shell {self.name!r} is not reading its input") from None

@@ -28,8 +28,9 @@ import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
 from rolloutd.native_io.procfs import ProcInfo, live_processes, pid_alive
+from rolloutd.native_io.spawn import spawn
 
-from .base import RUN_DIR_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
+from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
 from .images import resolve_image
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class ApptainerSandbox(Sandbox):
     isolated = True
 
     def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, backend: "ApptainerBackend") -> None:
-        super().__init__(sandbox_id, spec, lease_dir)
+        super().__init__(sandbox_id, spec, lease_dir, backend.shared_dir)
         self.backend = backend
         self.instance_name = f"rld-{sandbox_id}"
         self.init_pid: int | None = None
@@ -60,6 +61,10 @@ class ApptainerSandbox(Sandbox):
     @property
     def workspace_inside(self) -> str:
         return WORKSPACE_INSIDE
+
+    @property
+    def shared_inside(self) -> str:
+        return SHARED_INSIDE
 
     @property
     def python(self) -> str:
@@ -78,7 +83,8 @@ class ApptainerSandbox(Sandbox):
             overlay = self.lease_dir / "overlay"
             overlay.mkdir(mode=0o700, exist_ok=True)
             argv += ["--overlay", str(overlay)]
-        argv += ["--bind", f"{self.run_dir}:{RUN_DIR_INSIDE}", "--bind", f"{self.workspace}:{WORKSPACE_INSIDE}"]
+        argv += ["--bind", f"{self.run_dir}:{RUN_DIR_INSIDE}", "--bind", f"{self.workspace}:{WORKSPACE_INSIDE}",
+                 "--bind", f"{self.shared_dir}:{SHARED_INSIDE}:ro"]
         for host, inside, mode in spec.binds:
             argv += ["--bind", f"{host}:{inside}:{mode}"]
         argv += ["--pid-file", str(self.lease_dir / "instance.pid"), str(image), self.instance_name]
@@ -94,14 +100,7 @@ class ApptainerSandbox(Sandbox):
         # descriptors, and a pipe would then never reach EOF.
         start_log = self.lease_dir / "start.log"
         with open(start_log, "wb") as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                cwd=str(self.lease_dir),
-                env=self.backend.env(),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-            )
+            proc = await spawn(argv, cwd=self.lease_dir, env=self.backend.env(), stdout=log_file, stderr=log_file)
         pid_file = self.lease_dir / "instance.pid"
         try:
             await asyncio.wait_for(proc.wait(), self.backend.start_timeout_s)
@@ -191,7 +190,7 @@ class ApptainerBackend(SandboxBackend):
                 "the apptainer backend needs the `apptainer` command (>= 1.1); install it "
                 "(scripts/install-apptainer on Debian) or use backend 'local'"
             )
-        self.state_dir = state_dir
+        super().__init__(state_dir)
         self.start_timeout_s = start_timeout_s
         self.config_dir = state_dir / "apptainer"
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import secrets
 import shutil
@@ -29,6 +28,7 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 from rolloutd.native_io.output import OutputCollector
+from rolloutd.native_io.spawn import Child, spawn
 
 from ..sandbox.base import Sandbox
 
@@ -61,7 +61,7 @@ class KernelSession:
         self.interrupt_grace_s = interrupt_grace_s
         self.max_output_bytes = max_output_bytes
         self.name = name
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Child | None = None
         self._client: AsyncKernelClient | None = None
         self._lock = asyncio.Lock()
         self._running_msg_id: str | None = None
@@ -103,19 +103,16 @@ class KernelSession:
                "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
         log_file = open(sb.run_dir / "kernel.log", "ab")
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                start_new_session=True,
-            )
+            self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
+                                     stdout=log_file, stderr=log_file, start_new_session=True)
         finally:
             log_file.close()
         sb.session_ids.add(self._proc.pid)
         client = AsyncKernelClient()
         client.load_connection_info(host_info)
-        client.start_channels()
+        # No heartbeat channel: its thread wakes every second per kernel for nothing, since a dead
+        # kernel shows as the exit of its process, which we watch already.
+        client.start_channels(hb=False)
         self._client = client
         try:
             await self._wait_ready()
@@ -285,16 +282,13 @@ class KernelSession:
         if proc.returncode is None:
             # The kernel runs in its own session: signal the whole group so the process inside
             # the container goes too, not just the `apptainer exec` parent.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            proc.signal_group(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 1.0)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.signal_group(signal.SIGKILL)
                 await proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.signal_group(signal.SIGKILL)
         self.sandbox.session_ids.discard(proc.pid)
         self._proc = None
 
