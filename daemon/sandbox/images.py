@@ -91,9 +91,17 @@ def _convert_docker(ref: str, target: Path) -> None:
     tmp.rename(target)
 
 
+_default_image: Path | None = None
+"""The default image once resolved: checking its recipe's hash costs a bash, not worth paying
+at every sandbox start."""
+
+
 async def resolve_image(image: str) -> Path:
+    global _default_image
     if image == "default":
-        return await build_default_image()
+        if _default_image is None or not (_default_image / ".singularity.d").is_dir():
+            _default_image = await build_default_image()
+        return _default_image
     if image.startswith("docker://"):
         digest = hashlib.sha256(image.encode()).hexdigest()[:16]
         target = cache_dir() / "images" / "docker" / f"{digest}.sif"
