@@ -110,7 +110,7 @@ class Worker:
         inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None,
                                             weight_version=cfg.inference_weight_version)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
-                                        cache_dir=self.state_dir / "task-cache", image=cfg.image)
+                                        cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
 
     async def serve(self) -> None:

@@ -23,12 +23,20 @@ async def lease(backend: SandboxBackend) -> AsyncIterator[Lease]:
     await lease.destroy()
 
 
-async def test_bundled_task_unsolved_gets_zero_and_solved_gets_one(lease: Lease, short_tmp: Path) -> None:
+@pytest.mark.parametrize("cache_in", ["shared", "host"])
+async def test_bundled_task_unsolved_gets_zero_and_solved_gets_one(lease: Lease, short_tmp: Path, cache_in: str) -> None:
+    # "shared": the template lies where the sandbox can read it and its shell copies it (as in the
+    # daemon); "host": anywhere else, and the host writes the files.
+    cache = lease.sandbox.shared_dir / "task-cache" if cache_in == "shared" else short_tmp / "cache"
     task = resolve_task("bundled", "paginate-003", None)
     swe = get_task_type("swe")
-    workdir = await swe.setup(task, lease, cache_dir=short_tmp / "cache")
-    r = await lease.run("pwd && git log --oneline | wc -l && ls")
-    assert r.output.splitlines()[0] == workdir and r.output.splitlines()[1] == "1" and "paginate" in r.output
+    workdir = await swe.setup(task, lease, cache_dir=cache)
+    r = await lease.run("pwd && git log --oneline | wc -l && git status --porcelain | wc -l && ls")
+    lines = r.output.splitlines()
+    assert lines[0] == workdir and lines[1] == "1" and lines[2] == "0" and "paginate" in r.output, r.output
+    if lease.sandbox.isolated:
+        assert (await lease.run(f"touch {lease.sandbox.shared_inside}/x")).exit_code != 0, \
+            "the sandbox can write the shared folder"
     unsolved = await swe.evaluate(task, lease, workdir, timeout_s=120)
     assert unsolved.reward == 0.0 and unsolved.details["failed_fail_to_pass"]
     assert unsolved.details["failed_pass_to_pass"] == []

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 RUN_DIR_INSIDE = "/run/rolloutd"
 WORKSPACE_INSIDE = "/workspace"
+SHARED_INSIDE = "/run/rolloutd-shared"
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,12 @@ class Sandbox(abc.ABC):
     backend_name: str = ""
     isolated: bool = True
 
-    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path) -> None:
+    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, shared_dir: Path) -> None:
         self.id = sandbox_id
         self.spec = spec
         self.lease_dir = lease_dir
+        self.shared_dir = shared_dir
+        """The backend's read-only shared folder (see ``SandboxBackend.shared_dir``)."""
         self.stop_rung: str | None = None
         """How the last stop ended (``sigterm``/``sigkill``/``exited``), for tests and logs."""
         self.session_ids: set[int] = set()
@@ -113,6 +116,18 @@ class Sandbox(abc.ABC):
     @property
     @abc.abstractmethod
     def workspace_inside(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def shared_inside(self) -> str:
+        """Where ``shared_dir`` is seen inside."""
+
+    def visible_path(self, host: Path) -> str | None:
+        """Where the host path ``host`` can be read inside, when it lies in the shared folder."""
+        if not host.is_relative_to(self.shared_dir):
+            return None
+        rel = host.relative_to(self.shared_dir).as_posix()
+        return self.shared_inside if rel == "." else f"{self.shared_inside}/{rel}"
 
     @property
     @abc.abstractmethod
@@ -164,6 +179,14 @@ class Sandbox(abc.ABC):
 
 class SandboxBackend(abc.ABC):
     name: str = ""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.shared_dir = state_dir / "shared"
+        """A host folder every sandbox of this backend can read (never write): what is prepared
+        once on the host, such as task templates, each sandbox copies in with its own processes,
+        so the daemon spends no CPU per file."""
+        self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Sandbox:

@@ -33,6 +33,10 @@ class LocalSandbox(Sandbox):
         return str(self.workspace)
 
     @property
+    def shared_inside(self) -> str:
+        return str(self.shared_dir)
+
+    @property
     def python(self) -> str:
         return sys.executable
 
@@ -64,7 +68,7 @@ class LocalBackend(SandboxBackend):
     name = "local"
 
     def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
+        super().__init__(state_dir)
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:
         global _WARNED
@@ -76,4 +80,4 @@ class LocalBackend(SandboxBackend):
             )
             _WARNED = True
         sid = uuid.uuid4().hex[:10]
-        return LocalSandbox(sid, spec, self.state_dir / sid)
+        return LocalSandbox(sid, spec, self.state_dir / sid, self.shared_dir)
