@@ -45,7 +45,12 @@ def _check_name(name: str) -> str:
 
 
 class SegmentArena:
-    """A worker's segments: written with ``pwritev`` (no user page faults), reused after release."""
+    """A worker's segments, reused after release.
+
+    A new segment is filled with ``pwritev``: the kernel allocates its pages without a user page
+    fault each. A reused one is filled through a writable mapping kept for it, a plain memcpy
+    (about 0.35 ms per 9 MB here against 1.3 ms through ``pwritev``).
+    """
 
     def __init__(self, prefix: str, *, max_free_bytes: int = 1 << 30, max_idle_s: float = 60.0) -> None:
         self.prefix = prefix
@@ -55,6 +60,8 @@ class SegmentArena:
         self._capacity: dict[str, int] = {}
         self._free: dict[str, float] = {}
         """Free segment -> when it was freed."""
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        """Writable mappings of segments filled more than once."""
 
     def write(self, arrays: dict[str, np.ndarray]) -> list[ArrayRef]:
         refs, chunks, offset = [], [], 0
@@ -66,22 +73,30 @@ class SegmentArena:
                 chunks.append(_ZEROS[:pad])
             refs.append((key, arr, offset))
             offset += arr.nbytes + pad
-        name = self._take(max(offset, ALIGN))
-        fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CLOEXEC)
-        try:
+        name, fresh = self._take(max(offset, ALIGN))
+        if fresh:
+            fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                pos = 0
+                for i in range(0, len(chunks), IOV_BATCH):
+                    pos += os.pwritev(fd, chunks[i : i + IOV_BATCH], pos)
+            finally:
+                os.close(fd)
+        else:
+            target = self._mapping(name)
             pos = 0
-            for i in range(0, len(chunks), IOV_BATCH):
-                pos += os.pwritev(fd, chunks[i : i + IOV_BATCH], pos)
-        finally:
-            os.close(fd)
+            for chunk in chunks:
+                target[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                pos += len(chunk)
         return [ArrayRef(key, arr.dtype.name, tuple(arr.shape), name, off) for key, arr, off in refs]
 
-    def _take(self, size: int) -> str:
+    def _take(self, size: int) -> tuple[str, bool]:
+        """A free segment of at least ``size`` bytes, or a new one; and whether it is new."""
         fitting = [n for n in self._free if self._capacity[n] >= size]
         if fitting:
             name = min(fitting, key=lambda n: self._capacity[n])
             del self._free[name]
-            return name
+            return name, False
         name = f"{self.prefix}{self._count}"
         self._count += 1
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -90,7 +105,19 @@ class SegmentArena:
         finally:
             os.close(fd)
         self._capacity[name] = size
-        return name
+        return name, True
+
+    def _mapping(self, name: str) -> np.ndarray:
+        cached = self._maps.get(name)
+        if cached is None:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, self._capacity[name], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            cached = self._maps[name] = (mm, np.frombuffer(mm, dtype=np.uint8))
+        return cached[1]
 
     def free(self, names: Iterable[str]) -> None:
         now = time.monotonic()
@@ -112,6 +139,11 @@ class SegmentArena:
     def _drop(self, name: str) -> None:
         self._free.pop(name, None)
         self._capacity.pop(name, None)
+        mapped = self._maps.pop(name, None)
+        if mapped is not None:
+            mm = mapped[0]
+            del mapped  # the view goes with it and releases its export of the mapping
+            mm.close()
         unlink(name)
 
     def stats(self) -> dict[str, int]:
