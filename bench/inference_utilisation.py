@@ -33,8 +33,13 @@ from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request 
 from rolloutd.daemon.policy.tokenizer import load_tokenizer  # noqa: E402
 
 SLOTS, MS_PER_TOKEN = 4, 20.0
-TURNS, TOOL_S, EVAL_S = 4, 0.1, 10.0
-IN_FLIGHT = 32
+TURNS, TOOL_S, EVAL_S = 4, 0.1, 20.0
+RAMP_S = EVAL_S
+# An asynchronous trainer keeps enough rollouts in flight to fill the server: each rollout here
+# holds a slot for about a tenth of its life (four short generations against a 20 s evaluation),
+# so four slots need about 40 in flight; 48 leaves a margin. The synchronous loop gets the same
+# 48 as its batch.
+IN_FLIGHT = 48
 
 
 def tool_reply(turn: int) -> str:
@@ -59,13 +64,20 @@ async def utilisation(session: aiohttp.ClientSession, url: str, reset: bool = Fa
 
 async def staged(address: str, n: int, session: aiohttp.ClientSession, url: str) -> float:
     """Keep IN_FLIGHT rollouts in the daemon, submitting a new one whenever one finishes (as an
-    asynchronous RL trainer does). Utilisation is read over the steady state: from the first
-    completion (the pipeline is full) to the last submission (after that it only drains)."""
+    asynchronous RL trainer does). The first IN_FLIGHT go in over RAMP_S, about one rollout's life,
+    so the measured part looks like a trainer that has been running a while, with rollouts at every
+    stage: started in one burst they move in lockstep (all generating, then all evaluating while
+    the server idles), a convoy a running trainer does not have. Utilisation is read from the end
+    of the ramp to the last submission (after that the daemon only drains)."""
     value = 0.0
     async with AsyncRolloutClient(address) as client:
         requests = [RolloutRequest(task=task(i), ipython=False, sampling={"max_tokens": 256, "seed": 0})
                     for i in range(n)]
-        pending = set(await client.submit(requests[:IN_FLIGHT]))
+        pending: set[str] = set()
+        for request in requests[:IN_FLIGHT]:
+            pending |= set(await client.submit([request]))
+            await asyncio.sleep(RAMP_S / IN_FLIGHT)
+        await utilisation(session, url, reset=True)
         submitted = IN_FLIGHT
         while pending:
             async for result in client.as_completed(sorted(pending)):
@@ -74,8 +86,6 @@ async def staged(address: str, n: int, session: aiohttp.ClientSession, url: str)
                     [(t.finish_reason, t.error_message) for t in result.trajectories]
                 await client.release(result)
                 pending.discard(result.request_id)
-                if submitted == IN_FLIGHT:
-                    await utilisation(session, url, reset=True)
                 if submitted < n:
                     pending |= set(await client.submit([requests[submitted]]))
                     submitted += 1
