@@ -22,7 +22,8 @@ import ptyprocess
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_targets, print_table, standard_args, summary_ms, time_calls, time_calls_async, write_json  # noqa: E402
+from common import (check_targets, interleaved_async, print_table, standard_args, summary_ms, time_calls,  # noqa: E402
+                    write_json)
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
@@ -93,11 +94,15 @@ async def main() -> int:
         tmux = TmuxShell(lease.sandbox.exec_argv(default_shell_argv(), cwd=lease.sandbox.workspace_inside))
         exec_prefix = lease.sandbox.exec_argv(["bash", "-c"])
         for name, cmd in COMMANDS.items():
-            pty = summary_ms(await time_calls_async(lambda: lease.run(cmd), n))
+            async def on_floor() -> None:
+                floor.run(cmd)  # noqa: B023 (called before the loop moves on)
+
+            # Ours and the floor interleaved: the 3x target compares them, so they share conditions.
+            both = await interleaved_async({"pty": lambda: lease.run(cmd), "floor": on_floor}, n)  # noqa: B023
+            pty, fl = summary_ms(both["pty"]), summary_ms(both["floor"])
             tm = summary_ms(time_calls(lambda: tmux.run(cmd), n if name == "echo" else n // 2, warmup=3))
             ex = summary_ms(time_calls(lambda: subprocess.run([*exec_prefix, cmd], capture_output=True, check=True),
                                        n_exec if name == "echo" else max(10, n_exec // 3), warmup=2))
-            fl = summary_ms(time_calls(lambda: floor.run(cmd), n))
             for label, s in (("pty (ours)", pty), ("tmux send-keys/capture-pane", tm),
                              ("apptainer exec per command", ex), ("bare host PTY (floor)", fl)):
                 rows.append([name, label, s["p50_ms"], s["p99_ms"], s["n"], s["p50_ms"] / pty["p50_ms"]])
@@ -117,8 +122,9 @@ async def main() -> int:
         tcp_kernel = KernelSession(lease.sandbox, transport="tcp", name="bench-tcp")
         await tcp_kernel.start()
         assert lease.kernel is not None
-        k_ipc = summary_ms(await time_calls_async(lambda: lease.kernel.execute("x = 1"), n // 2, warmup=5))
-        k_tcp = summary_ms(await time_calls_async(lambda: tcp_kernel.execute("x = 1"), n // 2, warmup=5))
+        kernels = await interleaved_async({"ipc": lambda: lease.kernel.execute("x = 1"),  # type: ignore[union-attr]
+                                           "tcp": lambda: tcp_kernel.execute("x = 1")}, n, warmup=5)
+        k_ipc, k_tcp = summary_ms(kernels["ipc"]), summary_ms(kernels["tcp"])
         await tcp_kernel.close()
         results.update(ipython_ipc_p50_ms=k_ipc["p50_ms"], ipython_tcp_p50_ms=k_tcp["p50_ms"])
         print_table("IPython execute round trip (same instance)", ["transport", "p50 ms", "p99 ms", "n"],

@@ -51,6 +51,18 @@ async def time_calls_async(fn: Callable[[], Any], n: int, warmup: int = 10) -> l
     return out
 
 
+async def interleaved_async(fns: dict[str, Callable[[], Any]], n: int, warmup: int = 10) -> dict[str, list[float]]:
+    """``n`` timed calls of each coroutine function, one of each in turn, so drift in machine load
+    (these machines are noisy) hits every path alike."""
+    for fn in fns.values():
+        await time_calls_async(fn, 0, warmup=warmup)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(n):
+        for name, fn in fns.items():
+            out[name] += await time_calls_async(fn, 1, warmup=0)
+    return out
+
+
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
