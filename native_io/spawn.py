@@ -102,9 +102,9 @@ async def spawn_pty(argv: list[str], *, env: dict[str, str] | None = None, cwd: 
             attrs = termios.tcgetattr(terminal)
             attrs[3] &= ~termios.ECHO
             termios.tcsetattr(terminal, termios.TCSANOW, attrs)
-        # util-linux `setsid --ctty`: a new session, then the terminal on stdin becomes its
-        # controlling terminal (Popen has no such option and a preexec_fn would force a fork).
-        child = await spawn(["setsid", "--ctty", *argv], env=env, cwd=cwd, stdin=terminal, stdout=terminal,
+        # `setsid -c` (util-linux and BusyBox alike): a new session, then the terminal on stdin
+        # becomes its controlling terminal (Popen has no such option; a preexec_fn would fork).
+        child = await spawn(["setsid", "-c", *argv], env=env, cwd=cwd, stdin=terminal, stdout=terminal,
                             stderr=terminal)
     except BaseException:
         os.close(controller)
