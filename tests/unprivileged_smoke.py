@@ -1,4 +1,4 @@
-"""Run by tests/test_unprivileged.py as an ordinary user: one real sandbox, end to end.
+"""Run by tests/test_unprivileged.py as an ordinary user: one real sandbox and a task set up in it.
 
 Prints one JSON object with what it saw; the test makes the assertions.
 """
@@ -15,6 +15,8 @@ from pathlib import Path
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.daemon.tasks.base import get_task_type
+from rolloutd.daemon.tasks.datasets import resolve_task
 
 
 async def main() -> dict[str, object]:
@@ -27,6 +29,11 @@ async def main() -> dict[str, object]:
     lease = await pool.lease(spec)
     shell = await lease.run("id -u; touch /usr/forbidden 2>&1; echo ws > /workspace/f && cat /workspace/f")
     kernel = await lease.ipython("import os\nos.getuid()")
+    # A task repository copied in by the sandbox itself from the read-only shared folder.
+    task = resolve_task("bundled", "wordwrap-001", None)
+    await get_task_type("swe").setup(task, lease, cache_dir=backend.shared_dir / "task-cache")
+    repo = await lease.run(f"git log --oneline | wc -l; git status --porcelain | wc -l; "
+                           f"touch {lease.sandbox.shared_inside}/x 2>/dev/null && echo writable || echo read-only")
     pids = lease.sandbox.process_ids()
     await pool.release(lease)
     await pool.close()
@@ -34,6 +41,7 @@ async def main() -> dict[str, object]:
     out = {
         "host_uid": os.getuid(),
         "shell_output": shell.output,
+        "task_repo": repo.output,
         "kernel_uid": kernel.result,
         "leftover_instances": backend.leftover_instances(),
         "alive_after_close": alive,
