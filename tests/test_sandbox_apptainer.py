@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from proc_support import identities, still_running
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.pool import open_lease
@@ -38,11 +39,10 @@ async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:
     backend = ApptainerBackend(short_tmp)
     lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
     await lease.run("sleep 300 & (setsid sleep 301 &) ; nohup sleep 302 >/dev/null 2>&1 &")
-    pids = lease.sandbox.process_ids()
-    assert len(pids) >= 5  # init, shell, kernel, three sleeps
+    seen = identities(lease.sandbox.process_ids())
+    assert len(seen) >= 5  # init, shell, kernel, three sleeps
     await lease.destroy()
-    alive = [p for p in pids if Path(f"/proc/{p}").exists() and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()]
-    assert alive == []
+    assert still_running(seen) == []
 
 
 async def test_leases_cannot_see_each_other(short_tmp: Path) -> None:

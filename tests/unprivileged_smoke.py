@@ -18,6 +18,8 @@ from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import resolve_task
 
+from proc_support import identities, still_running
+
 
 async def main() -> dict[str, object]:
     state = Path(tempfile.mkdtemp(prefix="rld-u-"))
@@ -34,10 +36,10 @@ async def main() -> dict[str, object]:
     await get_task_type("swe").setup(task, lease, cache_dir=backend.shared_dir / "task-cache")
     repo = await lease.run(f"git log --oneline | wc -l; git status --porcelain | wc -l; "
                            f"touch {lease.sandbox.shared_inside}/x 2>/dev/null && echo writable || echo read-only")
-    pids = lease.sandbox.process_ids()
+    seen = identities(lease.sandbox.process_ids())
     await pool.release(lease)
     await pool.close()
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and b") Z" not in Path(f"/proc/{p}/stat").read_bytes()]
+    alive = still_running(seen)
     out = {
         "host_uid": os.getuid(),
         "shell_output": shell.output,
