@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import select
+import signal
 import struct
 import subprocess
 import termios
@@ -53,7 +55,7 @@ class Child:
                 os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def signal_group(self, sig: int) -> None:
         """Signal the child's process group (the child must lead one: a new session or group).
@@ -112,3 +114,47 @@ async def spawn_pty(argv: list[str], *, env: dict[str, str] | None = None, cwd: 
     finally:
         os.close(terminal)
     return child, controller
+
+
+class ProcessHandle:
+    """A process we did not start (an instance's init), held by pidfd: signals and the exit wait
+    reach that process even if its pid is reused meanwhile (pid_max is 32768 on many hosts)."""
+
+    def __init__(self, pid: int) -> None:
+        """Raises ProcessLookupError when ``pid`` is already gone."""
+        self.pid = pid
+        self._fd: int | None = os.pidfd_open(pid)
+
+    @property
+    def alive(self) -> bool:
+        if self._fd is None:
+            return False
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return not poller.poll(0)  # a pidfd turns readable when its process exits
+
+    def signal(self, sig: int) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(self._fd, sig)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Whether the process exited within ``timeout_s``."""
+        if not self.alive:
+            return True
+        assert self._fd is not None
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self._fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -20,15 +20,14 @@ import os
 import shutil
 import signal
 import socket
-import time
 import uuid
 from pathlib import Path
 
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
-from rolloutd.native_io.procfs import ProcInfo, live_processes, pid_alive
-from rolloutd.native_io.spawn import spawn
+from rolloutd.native_io.procfs import ProcInfo, live_processes
+from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
 from .images import resolve_image
@@ -51,6 +50,7 @@ class ApptainerSandbox(Sandbox):
         self.backend = backend
         self.instance_name = f"rld-{sandbox_id}"
         self.init_pid: int | None = None
+        self._init: ProcessHandle | None = None
         self._pidns: int | None = None
         self.image_path: Path | None = None
 
@@ -115,7 +115,7 @@ class ApptainerSandbox(Sandbox):
                 proc.kill()
             await asyncio.shield(proc.wait())
             text = pid_file.read_text().strip() if pid_file.exists() else ""
-            self.init_pid = int(text) if text.isdigit() else self._find_init_pid()
+            self._adopt_init(int(text) if text.isdigit() else self._find_init_pid())
             await asyncio.shield(self.stop())
             if isinstance(e, TimeoutError):
                 raise SandboxStartError(
@@ -131,9 +131,16 @@ class ApptainerSandbox(Sandbox):
                 f"apptainer instance start failed (exit {proc.returncode}) for image {self.image_path}: "
                 f"{output}\ncommand: {' '.join(argv)}"
             )
-        self.init_pid = int(pid_text)
+        self._adopt_init(int(pid_text))
+
+    def _adopt_init(self, pid: int | None) -> None:
+        self.init_pid = pid
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self._init = ProcessHandle(pid)
         with contextlib.suppress(OSError):
-            self._pidns = os.stat(f"/proc/{self.init_pid}/ns/pid").st_ino
+            self._pidns = os.stat(f"/proc/{pid}/ns/pid").st_ino
 
     def _find_init_pid(self) -> int | None:
         """The instance's init, found by the name Apptainer gives its parent process."""
@@ -160,22 +167,18 @@ class ApptainerSandbox(Sandbox):
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.pidns == self._pidns]
 
     async def stop(self) -> None:
-        pid = self.init_pid
+        init = self._init
         rung = "exited"
-        if pid is not None and pid_alive(pid):
+        if init is not None and init.alive:
             rung = "sigterm"
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            while pid_alive(pid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            if pid_alive(pid):
+            init.signal(signal.SIGTERM)
+            if not await init.wait(STOP_GRACE_S):
                 rung = "sigkill"
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 5.0
-                while pid_alive(pid) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
+                init.signal(signal.SIGKILL)
+                await init.wait(5.0)
+        if init is not None:
+            init.close()
+            self._init = None
         self.stop_rung = rung
         self.backend.forget_instance(self.instance_name)
         await self.remove_folders()
