@@ -55,11 +55,14 @@ async def interleaved_async(fns: dict[str, Callable[[], Any]], n: int, warmup: i
     """``n`` timed calls of each coroutine function, one of each in turn, so drift in machine load
     (these machines are noisy) hits every path alike."""
     for fn in fns.values():
-        await time_calls_async(fn, 0, warmup=warmup)
+        for _ in range(warmup):
+            await fn()
     out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(n):
         for name, fn in fns.items():
-            out[name] += await time_calls_async(fn, 1, warmup=0)
+            t0 = time.perf_counter()
+            await fn()
+            out[name].append(time.perf_counter() - t0)
     return out
 
 

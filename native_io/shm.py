@@ -60,7 +60,7 @@ class SegmentArena:
         self._capacity: dict[str, int] = {}
         self._free: dict[str, float] = {}
         """Free segment -> when it was freed."""
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         """Writable mappings of segments filled more than once."""
 
     def write(self, arrays: dict[str, np.ndarray]) -> list[ArrayRef]:
@@ -83,7 +83,7 @@ class SegmentArena:
             finally:
                 os.close(fd)
         else:
-            target = self._mapping(name)
+            target = np.frombuffer(self._mapping(name), dtype=np.uint8)
             pos = 0
             for chunk in chunks:
                 target[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
@@ -107,17 +107,16 @@ class SegmentArena:
         self._capacity[name] = size
         return name, True
 
-    def _mapping(self, name: str) -> np.ndarray:
-        cached = self._maps.get(name)
-        if cached is None:
+    def _mapping(self, name: str) -> mmap.mmap:
+        mm = self._maps.get(name)
+        if mm is None:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
             try:
-                mm = mmap.mmap(fd, self._capacity[name], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = self._maps[name] = mmap.mmap(fd, self._capacity[name], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
-            cached = self._maps[name] = (mm, np.frombuffer(mm, dtype=np.uint8))
-        return cached[1]
+        return mm
 
     def free(self, names: Iterable[str]) -> None:
         now = time.monotonic()
@@ -139,10 +138,8 @@ class SegmentArena:
     def _drop(self, name: str) -> None:
         self._free.pop(name, None)
         self._capacity.pop(name, None)
-        mapped = self._maps.pop(name, None)
-        if mapped is not None:
-            mm = mapped[0]
-            del mapped  # the view goes with it and releases its export of the mapping
+        mm = self._maps.pop(name, None)
+        if mm is not None:
             mm.close()
         unlink(name)
 
