@@ -1,10 +1,11 @@
-"""An IPython kernel inside a sandbox, reached directly with jupyter_client (no gateway, no TCP).
+"""An IPython kernel inside a sandbox, reached directly over its ZeroMQ sockets (no gateway, no TCP).
 
 The kernel listens on ``ipc`` sockets in the sandbox's run folder, which is bound into the
 container; the host and the kernel each get a connection file with the paths as they see them
 and the same signing key. Readiness means a real ``kernel_info`` round trip with iopub
 connected. A timed-out cell is interrupted over the control channel; a kernel that does not come
-back, or dies, is restarted and the caller is told.
+back, or dies, is restarted and the caller is told. The messages are Jupyter's wire protocol
+(``jupyter_wire``); the kernel is stock ipykernel from the image.
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from queue import Empty
 from typing import Any
-
-from jupyter_client.asynchronous import AsyncKernelClient
 
 from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
@@ -31,6 +29,7 @@ from rolloutd.native_io.output import OutputCollector
 from rolloutd.native_io.spawn import Child, spawn
 
 from ..sandbox.base import Sandbox
+from .jupyter_wire import KernelChannels, KernelMessage
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class KernelSession:
         self.max_output_bytes = max_output_bytes
         self.name = name
         self._proc: Child | None = None
-        self._client: AsyncKernelClient | None = None
+        self._channels: KernelChannels | None = None
         self._lock = asyncio.Lock()
         self._running_msg_id: str | None = None
         self.restarts = 0
@@ -108,12 +107,8 @@ class KernelSession:
         finally:
             log_file.close()
         sb.session_ids.add(self._proc.pid)
-        client = AsyncKernelClient()
-        client.load_connection_info(host_info)
-        # No heartbeat channel: its thread wakes every second per kernel for nothing, since a dead
-        # kernel shows as the exit of its process, which we watch already.
-        client.start_channels(hb=False)
-        self._client = client
+        # No heartbeat channel: a dead kernel shows as the exit of its process, which we watch already.
+        self._channels = KernelChannels(host_info)
         try:
             await self._wait_ready()
         except BaseException:
@@ -122,8 +117,8 @@ class KernelSession:
 
     async def _wait_ready(self) -> None:
         """kernel_info until it answers and iopub delivers (ZeroMQ SUB sockets join late)."""
-        client = self._client
-        assert client is not None
+        ch = self._channels
+        assert ch is not None
         deadline = time.monotonic() + self.ready_timeout_s
         # Requests sent before the kernel bound its sockets are answered late, all at once: any
         # reply to any of ours counts.
@@ -131,28 +126,19 @@ class KernelSession:
         while time.monotonic() < deadline:
             if not self.alive:
                 raise KernelError(f"kernel exited during start-up; see {self.sandbox.run_dir / 'kernel.log'}: {self._log_tail()}")
-            sent.add(client.kernel_info())
+            sent.add(ch.send(ch.shell, "kernel_info_request", {}))
             try:
-                reply = await client.get_shell_msg(timeout=0.25)
-            except Empty:
+                reply = await ch.next(ch.shell_replies, 0.25)
+            except TimeoutError:
                 continue
-            if reply["parent_header"].get("msg_id") not in sent:
+            if reply.parent_id not in sent:
                 continue
             # The kernel publishes busy/idle for each request; seeing one proves iopub is joined.
             try:
-                while True:
-                    msg = await client.get_iopub_msg(timeout=0.25)
-                    if msg["parent_header"].get("msg_id") in sent:
-                        break
-            except Empty:
+                while (await ch.next(ch.iopub_messages, 0.25)).parent_id not in sent:
+                    pass
+            except TimeoutError:
                 continue
-            # Drain the remaining replies so the first cell does not read them.
-            with contextlib.suppress(Empty):
-                while True:
-                    await client.get_shell_msg(timeout=0.05)
-            with contextlib.suppress(Empty):
-                while True:
-                    await client.get_iopub_msg(timeout=0.05)
             return
         raise KernelError(
             f"kernel did not answer kernel_info within {self.ready_timeout_s} s (ready_timeout_s); "
@@ -190,9 +176,14 @@ class KernelSession:
             return ExecuteResult(**{**result, "duration_s": time.monotonic() - t0, "kernel_restarted": restarted})
 
     async def _execute(self, code: str, timeout_s: float) -> dict[str, Any]:
-        client = self._client
-        assert client is not None
-        msg_id = client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        ch = self._channels
+        assert ch is not None
+        # Replies and output of earlier requests (start-up probes, an interrupted cell) are stale.
+        ch.drain(ch.shell_replies)
+        ch.drain(ch.iopub_messages)
+        msg_id = ch.send(ch.shell, "execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False,
+            "stop_on_error": False})
         self._running_msg_id = msg_id
         out = OutputCollector(self.max_output_bytes)
         err = OutputCollector(self.max_output_bytes)
@@ -202,9 +193,9 @@ class KernelSession:
         deadline = time.monotonic() + timeout_s
         while True:
             msg = await self._next_iopub(deadline, timeout_s, out)
-            if msg["parent_header"].get("msg_id") != msg_id:
+            if msg.parent_id != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
+            kind, content = msg.msg_type, msg.content
             if kind == "stream":
                 (out if content.get("name") == "stdout" else err).add(content.get("text", "").encode())
             elif kind == "execute_result":
@@ -221,9 +212,9 @@ class KernelSession:
         return {"status": "error" if error else "ok", "stdout": stdout, "stderr": stderr, "result": result,
                 "error": error, "truncated": t1 or t2, "displays": displays}
 
-    async def _next_iopub(self, deadline: float, timeout_s: float, out: OutputCollector) -> dict[str, Any]:
-        client = self._client
-        assert client is not None
+    async def _next_iopub(self, deadline: float, timeout_s: float, out: OutputCollector) -> KernelMessage:
+        ch = self._channels
+        assert ch is not None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -233,34 +224,27 @@ class KernelSession:
                     details={"output": text, "truncated": truncated, "kernel_restarted": False},
                 )
             try:
-                return await client.get_iopub_msg(timeout=min(remaining, 0.5))
-            except Empty:
+                return await ch.next(ch.iopub_messages, min(remaining, 0.5))
+            except TimeoutError:
                 if not self.alive:
                     raise _KernelGone() from None
 
     async def _interrupt(self) -> bool:
         """Interrupt over the control channel; True when the kernel went idle again."""
-        client = self._client
-        if client is None or not self.alive:
+        ch = self._channels
+        if ch is None or not self.alive:
             return False
-        client.control_channel.send(client.session.msg("interrupt_request", content={}))
+        ch.send(ch.control, "interrupt_request", {})
         deadline = time.monotonic() + self.interrupt_grace_s
         try:
             while time.monotonic() < deadline:
                 try:
-                    msg = await client.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
-                except Empty:
+                    msg = await ch.next(ch.iopub_messages, max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
                     break
                 # The control request gets busy/idle of its own: only the cell's idle counts.
-                if (
-                    msg["msg_type"] == "status"
-                    and msg["content"].get("execution_state") == "idle"
-                    and msg["parent_header"].get("msg_id") == self._running_msg_id
-                ):
-                    # Drain the execute reply so the next cell's reply is not mistaken for it.
-                    with contextlib.suppress(Empty):
-                        while True:
-                            await client.get_shell_msg(timeout=0.05)
+                if (msg.msg_type == "status" and msg.content.get("execution_state") == "idle"
+                        and msg.parent_id == self._running_msg_id):
                     return True
         except Exception:  # a dying kernel can break the channel in several ways
             log.debug("interrupt of kernel %s failed", self.name, exc_info=True)
@@ -273,9 +257,9 @@ class KernelSession:
         await self.start()
 
     async def _stop_process(self) -> None:
-        if self._client is not None:
-            self._client.stop_channels()
-            self._client = None
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
         proc = self._proc
         if proc is None:
             return
