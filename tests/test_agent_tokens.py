@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from agent_support import call, reference_tokenizer, tool_schemas
-from rolloutd.daemon.agents.tokens import TokenLedger
+from rolloutd.daemon.agents.tokens import ChatFraming, TokenCodec, TokenLedger, framing_for
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.tokenizer import STRIP_THINK_TEMPLATE_PATH, load_tokenizer
@@ -168,3 +168,33 @@ def test_tools_reach_the_system_prompt() -> None:
     text = ledger.framing.prompt_text
     for schema in TOOLS:
         assert json.dumps(schema["function"]["name"]) in text
+
+
+def _framing_facts(f: ChatFraming) -> tuple[object, ...]:
+    return (f.prompt_text, f.base_text, f.generation_prompt, f.eot_id, f.separator,
+            f.message_text("tool", "out\n"), f.message_text("user", "Go on."),
+            f.messages_text([{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]))
+
+
+@pytest.mark.parametrize("template", ["reference", "user content trimmed"])
+def test_framing_learned_on_markers_is_the_conversations_own(template: str) -> None:
+    tok = load_tokenizer()
+    if template != "reference":
+        tok.chat_template = default_template().replace("'<|im_start|>user\\n' + message.content",
+                                                       "'<|im_start|>user\\n' + message.content | trim")
+    codec = TokenCodec(tok)
+    for base in (BASE, [{"role": "system", "content": "Other rules {{ x }} é"}, {"role": "user", "content": "Task 2"}]):
+        shared = framing_for(tok, base, TOOLS, codec)
+        assert shared._shape is not shared, "the learned framing was not reused"
+        assert _framing_facts(shared) == _framing_facts(ChatFraming(tok, base, TOOLS, codec))
+
+
+def test_template_that_reads_the_base_contents_gets_its_own_framing() -> None:
+    # Renders the user message differently when it mentions a task id: markers never do.
+    tok = tokenizer_with(default_template().replace(
+        "'<|im_start|>user\\n' + message.content", "'<|im_start|>user\\n' + ('[task] ' if 'Task id' in message.content else '') + message.content"))
+    codec = TokenCodec(tok)
+    framing = framing_for(tok, BASE, TOOLS, codec)
+    assert framing._shape is framing
+    assert "[task] Task id" in framing.prompt_text
+    assert _framing_facts(framing) == _framing_facts(ChatFraming(tok, BASE, TOOLS, codec))

@@ -17,7 +17,6 @@ jupyter_client's own ``Session``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import itertools
 import json
@@ -60,10 +59,8 @@ class MessageSigner:
     def _sign(self, parts: list[bytes]) -> bytes:
         if not self._key:
             return b""
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
-        for part in parts:
-            mac.update(part)
-        return mac.hexdigest().encode()
+        # One C call over the joined frames: hmac.new() + update() per frame is 4x the Python work.
+        return hmac.digest(self._key, b"".join(parts), "sha256").hex().encode()
 
     def request(self, msg_type: str, content: dict[str, Any]) -> tuple[str, list[bytes]]:
         """(msg_id, frames) of a new request."""
