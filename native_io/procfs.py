@@ -1,12 +1,14 @@
 """Reading /proc: which processes live, in which session and PID namespace.
 
 One pass over /proc serves every sandbox (the watchdog scans once per interval, not once per
-sandbox). Zombies count as dead: orphans can wait a long time for PID 1 to reap them.
+sandbox). Zombies count as dead in ``live_processes``: orphans can wait a long time for PID 1 to
+reap them.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -37,6 +39,21 @@ def _stat(pid: int | str) -> bytes | None:
 def pid_alive(pid: int) -> bool:
     stat = _stat(pid)
     return stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+def pidns_census() -> Counter[int]:
+    """Processes per PID namespace inode, zombies included (they hold a pid until reaped).
+
+    One readlink per process and no stat parse: a fifth of what ``live_processes`` costs, and the
+    watchdog runs it every second on hosts with hundreds of sandbox processes."""
+    census: Counter[int] = Counter()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                census[int(os.readlink(f"/proc/{entry.name}/ns/pid")[5:-1])] += 1
+            except (OSError, ValueError):
+                pass
+    return census
 
 
 def live_processes() -> list[ProcInfo]:

@@ -21,12 +21,13 @@ import shutil
 import signal
 import socket
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
-from rolloutd.native_io.procfs import ProcInfo, live_processes
+from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_census
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
@@ -166,6 +167,9 @@ class ApptainerSandbox(Sandbox):
             return []
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.pidns == self._pidns]
 
+    def process_count(self, census: Counter[int]) -> int:
+        return census[self._pidns] if self._pidns is not None else 0
+
     async def stop(self) -> None:
         init = self._init
         rung = "exited"
@@ -202,6 +206,10 @@ class ApptainerBackend(SandboxBackend):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("APPTAINER_", "SINGULARITY_"))}
         env["APPTAINER_CONFIGDIR"] = str(self.config_dir)
         return env
+
+    def census(self) -> Counter[int]:
+        """Processes per PID namespace: each instance has its own."""
+        return pidns_census()
 
     def create(self, spec: SandboxSpec) -> ApptainerSandbox:
         sid = uuid.uuid4().hex[:10]

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -160,6 +161,10 @@ class Sandbox(abc.ABC):
         its session unless it calls setsid, so sessions find fork bombs without cgroups."""
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.session in self.session_ids]
 
+    def process_count(self, census: Counter[int]) -> int:
+        """Processes of this sandbox in its backend's :meth:`SandboxBackend.census`."""
+        return sum(census[s] for s in self.session_ids)
+
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.
 
@@ -187,6 +192,11 @@ class SandboxBackend(abc.ABC):
         once on the host, such as task templates, each sandbox copies in with its own processes,
         so the daemon spends no CPU per file."""
         self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def census(self) -> Counter[int]:
+        """One pass over /proc that the watchdog hands to every sandbox's ``process_count``:
+        here processes per session."""
+        return Counter(p.session for p in live_processes())
 
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Sandbox:

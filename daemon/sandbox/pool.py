@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
-from rolloutd.native_io.procfs import live_processes
 from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
 
 from ..sessions.ipython import ExecuteResult, KernelSession
@@ -296,10 +295,10 @@ class WarmPool:
             leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
             if not leases:
                 continue
-            procs = await asyncio.to_thread(live_processes)
+            census = await asyncio.to_thread(self.backend.census)
             for lease in leases:
                 limit = lease.sandbox.spec.limits.max_processes
-                count = len(lease.sandbox.process_ids(procs))
+                count = lease.sandbox.process_count(census)
                 if count > limit and not lease.lost_reason:
                     lease.lost_reason = (
                         f"it ran {count} processes, over its limit of {limit} (max_processes), "
