@@ -41,6 +41,15 @@ def pid_alive(pid: int) -> bool:
     return stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
+def pidns_of(pid: int | str) -> int | None:
+    """Inode of ``pid``'s PID namespace; None when it cannot be read (gone, or not ours)."""
+    try:
+        # The link reads "pid:[<inode>]": cheaper than a stat of it.
+        return int(os.readlink(f"/proc/{pid}/ns/pid")[5:-1])
+    except (OSError, ValueError):
+        return None
+
+
 def pidns_census() -> Counter[int]:
     """Processes per PID namespace inode, zombies included (they hold a pid until reaped).
 
@@ -48,11 +57,8 @@ def pidns_census() -> Counter[int]:
     watchdog runs it every second on hosts with hundreds of sandbox processes."""
     census: Counter[int] = Counter()
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                census[int(os.readlink(f"/proc/{entry.name}/ns/pid")[5:-1])] += 1
-            except (OSError, ValueError):
-                pass
+        if entry.name.isdigit() and (ns := pidns_of(entry.name)) is not None:
+            census[ns] += 1
     return census
 
 
@@ -69,11 +75,6 @@ def live_processes() -> list[ProcInfo]:
         rest = stat[close + 2 :].split()
         if rest[0] == b"Z":
             continue
-        try:
-            # "pid:[<inode>]": the link names the namespace's inode; cheaper than a stat.
-            pidns: int | None = int(os.readlink(f"/proc/{entry.name}/ns/pid")[5:-1])
-        except (OSError, ValueError):
-            pidns = None
         out.append(ProcInfo(int(entry.name), stat[stat.find(b"(") + 1 : close].decode(errors="replace"),
-                            int(rest[3]), pidns))  # rest: state, ppid, pgrp, session
+                            int(rest[3]), pidns_of(entry.name)))  # rest: state, ppid, pgrp, session
     return out

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
-from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_census
+from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_census, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
@@ -140,8 +140,7 @@ class ApptainerSandbox(Sandbox):
             return
         with contextlib.suppress(ProcessLookupError):
             self._init = ProcessHandle(pid)
-        with contextlib.suppress(OSError):
-            self._pidns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+        self._pidns = pidns_of(pid)
 
     def _find_init_pid(self) -> int | None:
         """The instance's init, found by the name Apptainer gives its parent process."""
