@@ -120,26 +120,24 @@ class KernelSession:
         ch = self._channels
         assert ch is not None
         deadline = time.monotonic() + self.ready_timeout_s
-        # Requests sent before the kernel bound its sockets are answered late, all at once: any
-        # reply to any of ours counts.
-        sent: set[str] = set()
+        # ZeroMQ queues a request sent before the kernel binds and delivers it once connected, so
+        # one kernel_info proves the shell channel; sending more while waiting would only make
+        # the kernel answer each of them. Only a missed iopub status needs another request.
+        sent = {ch.send(ch.shell, "kernel_info_request", {})}
+        shell_ready = False
         while time.monotonic() < deadline:
             if not self.alive:
                 raise KernelError(f"kernel exited during start-up; see {self.sandbox.run_dir / 'kernel.log'}: {self._log_tail()}")
-            sent.add(ch.send(ch.shell, "kernel_info_request", {}))
             try:
-                reply = await ch.next(ch.shell_replies, 0.25)
+                if not shell_ready:
+                    shell_ready = (await ch.next(ch.shell_replies, 0.25)).parent_id in sent
+                    continue
+                # The kernel publishes busy/idle for each request; seeing one proves iopub is joined.
+                if (await ch.next(ch.iopub_messages, 0.25)).parent_id in sent:
+                    return
             except TimeoutError:
-                continue
-            if reply.parent_id not in sent:
-                continue
-            # The kernel publishes busy/idle for each request; seeing one proves iopub is joined.
-            try:
-                while (await ch.next(ch.iopub_messages, 0.25)).parent_id not in sent:
-                    pass
-            except TimeoutError:
-                continue
-            return
+                if shell_ready:
+                    sent.add(ch.send(ch.shell, "kernel_info_request", {}))
         raise KernelError(
             f"kernel did not answer kernel_info within {self.ready_timeout_s} s (ready_timeout_s); "
             f"log: {self._log_tail()}"
