@@ -12,6 +12,7 @@ import pytest
 from inference_support import API_KEY, PROMPT, BadServer, max_logprob_error, policy_server, run, wait_until
 
 from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.daemon.inference.factory import detect_protocol, make_backend, parse_spec
 from rolloutd.daemon.inference.sglang_http import SGLangHTTPBackend
 from rolloutd.daemon.inference.vllm_http import VLLMHTTPBackend
@@ -43,6 +44,10 @@ def test_backend_generates_with_true_logprobs(kind: str) -> None:
                 params = SamplingParams(max_tokens=40, seed=11)
                 first = await backend.generate(PROMPT, params, request_id="r1", timeout_s=10)
                 again = await backend.generate(PROMPT, params, request_id="r2", timeout_s=10)
+                # A trajectory's context grows turn by turn and goes out as its own JSON text.
+                grown = GrowingIds(PROMPT[:3])
+                grown.extend(np.asarray(PROMPT[3:]))
+                from_grown = await backend.generate(grown, params, request_id="r3", timeout_s=10)
             finally:
                 await backend.close()
         assert first.token_ids.dtype == np.int32 and first.logprobs.dtype == np.float32
@@ -53,6 +58,8 @@ def test_backend_generates_with_true_logprobs(kind: str) -> None:
         else:
             assert first.token_ids[-1] in (0, 2)  # the stop token is part of the output
         np.testing.assert_array_equal(first.token_ids, again.token_ids)  # same seed, same sample
+        np.testing.assert_array_equal(first.token_ids, from_grown.token_ids)
+        np.testing.assert_array_equal(first.logprobs, from_grown.logprobs)
         assert max_logprob_error(PROMPT, first) <= 1e-5
         assert first.server == srv.url
         # Only SGLang's protocol reports the weight version; vLLM leaves it to the pool.

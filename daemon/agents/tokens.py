@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from rolloutd.client.trajectory import ToolStats, TurnRecord
 from rolloutd.daemon.inference.base import GenerateResult
+from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import AgentError, ConfigError
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
@@ -218,8 +219,8 @@ class _Chunk:
 class TokenLedger:
     """The growing token sequence of one trajectory and its transcript.
 
-    ``ids`` is the whole sequence (prompt + response) to send to the server for the next turn;
-    do not modify it.
+    ``ids`` is the whole sequence (prompt + response) to send to the server for the next turn, a
+    :class:`GrowingIds`: it refuses edits, and carries its JSON text for the HTTP backends.
     """
 
     def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None = None, *,
@@ -233,7 +234,7 @@ class TokenLedger:
         self.messages: list[Message] = [dict(m) for m in base]
         self._n_base = len(base)
         self.prompt_ids = np.asarray(self.codec.encode(self.framing.prompt_text), dtype=np.int32)
-        self.ids: list[int] = self.prompt_ids.tolist()
+        self.ids = GrowingIds(self.prompt_ids.tolist())
         self._n_prompt = len(self.ids)
         self._chunks: list[_Chunk] = []
         self.turns: list[TurnRecord] = []

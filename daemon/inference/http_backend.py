@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 
 from rolloutd.daemon.inference.base import InferenceBackend
+from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import (
     InferenceError,
     InferenceProtocolError,
@@ -169,8 +170,8 @@ class HTTPBackend(InferenceBackend):
 
 def prompt_list(prompt_ids: Sequence[int] | np.ndarray) -> list[int]:
     """Prompt ids as a list for the JSON body. A list is passed as it is (copying a long prompt
-    on every turn would dominate the client's cost); a list holding numpy integers is converted
-    when encoding fails (see :meth:`HTTPBackend._generate_json`)."""
+    on every turn would dominate the client's cost; a :class:`GrowingIds` brings its JSON text);
+    a list holding numpy integers is converted when encoding fails (see :func:`_encode`)."""
     if isinstance(prompt_ids, list):
         return prompt_ids
     if isinstance(prompt_ids, np.ndarray):
@@ -179,6 +180,11 @@ def prompt_list(prompt_ids: Sequence[int] | np.ndarray) -> list[int]:
 
 
 def _encode(payload: dict[str, Any], prompt_key: str | None) -> bytes:
+    ids = payload.get(prompt_key) if prompt_key is not None else None
+    if isinstance(ids, GrowingIds):
+        # The rest of the body is a few fields; the ids' text was made as they were appended.
+        rest = json.dumps({k: v for k, v in payload.items() if k != prompt_key})
+        return f"{rest[:-1]}{', ' if len(rest) > 2 else ''}{json.dumps(prompt_key)}: {ids.json()}}}".encode()
     try:
         return json.dumps(payload).encode()
     except TypeError:
