@@ -346,7 +346,9 @@ def test_slot_simulation_queues_and_reports_utilisation() -> None:
             await asyncio.sleep(0.3)
             idle = (await _get(session, srv.url + "/rolloutd/utilisation"))[1]
             await backend.close()
-        assert peak == {"running": 2, "waiting": 2}
+        # Two slots for four requests: two run at a time and at least two wait (all four may wait
+        # for a moment when they arrive before the engine's next step admits any).
+        assert peak["running"] == 2 and 2 <= peak["waiting"] <= 4
         assert all(len(r.token_ids) == len(r.logprobs) for r in results)
         assert 0.0 < busy["utilisation"] <= 1.0 and busy["window_s"] > 0
         assert idle["window_s"] > busy["window_s"] and idle["utilisation"] < busy["utilisation"]
