@@ -37,9 +37,10 @@ TURNS, TOOL_S, EVAL_S = 4, 0.1, 20.0
 RAMP_S = EVAL_S
 # An asynchronous trainer keeps enough rollouts in flight to fill the server: each rollout here
 # holds a slot for about a tenth of its life (four short generations against a 20 s evaluation),
-# so four slots need about 40 in flight; 48 leaves a margin. The synchronous loop gets the same
-# 48 as its batch.
-IN_FLIGHT = 48
+# so four slots need about 40 in flight, more where set-up, tools and evaluation take longer than
+# their nominal times. At 48 a slower host left the slots just short of full (0.89-0.90); 56
+# keeps a margin. The synchronous loop gets the same 56 as its batch.
+IN_FLIGHT = 56
 
 
 def tool_reply(turn: int) -> str:
