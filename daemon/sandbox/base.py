@@ -139,8 +139,10 @@ class Sandbox(abc.ABC):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     async def remove_folders(self) -> None:
-        # rm(1) in a child: a task's tree is hundreds of unlink calls that shutil.rmtree would make
-        # in the worker (a thread contending for the GIL with the loop), at several times rm's CPU.
+        # rm(1) in a child: shutil.rmtree in a worker thread takes the GIL back between its
+        # hundreds of unlinks and stalls the loop (measured: the loop's p99 round trip 0.14 ms
+        # against 0.05 ms with rm, its worst 8-14 ms against 3-5). rm spends about the same CPU,
+        # in its own process.
         rm = await spawn(["rm", "-rf", "--", str(self.lease_dir)], stderr=DEVNULL)
         if code := await rm.wait():
             log.warning("rm -rf %s exited %d: some of the sandbox's files are left there", self.lease_dir, code)
