@@ -24,7 +24,7 @@ class GrowingIds(list[int]):
         self.extend(ids)
 
     def extend(self, ids: Iterable[SupportsIndex]) -> None:
-        new = [int(t) for t in ids]  # numpy integers too; their str() would still be JSON, but not their type
+        new = [int(t) for t in ids]  # numpy integers become ints: the list holds what its text says
         if not new:
             return
         super().extend(new)
