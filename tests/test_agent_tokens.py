@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tokenizers import AddedToken
 from agent_support import call, reference_tokenizer, tool_schemas
 from rolloutd.daemon.agents.tokens import ChatFraming, TokenCodec, TokenLedger, framing_for
 from rolloutd.daemon.inference.base import GenerateResult
@@ -198,3 +199,38 @@ def test_template_that_reads_the_base_contents_gets_its_own_framing() -> None:
     assert framing._shape is framing
     assert "[task] Task id" in framing.prompt_text
     assert _framing_facts(framing) == _framing_facts(ChatFraming(tok, BASE, TOOLS, codec))
+
+
+def _prompt_ids(tok: Any, base: list[dict[str, str]]) -> list[int]:
+    return TokenLedger(tok, base, TOOLS, max_total_tokens=100_000).prompt_ids.tolist()
+
+
+def _whole_prompt(tok: Any, base: list[dict[str, str]]) -> list[int]:
+    text = tok.apply_chat_template(base, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    return tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_prompts_sharing_a_system_message_encode_as_a_whole() -> None:
+    tok = load_tokenizer()
+    system = {"role": "system", "content": "Rules, shared by every rollout. é ✓  "}
+    users = ["Task id: a\nFix it.", "  leading spaces, <|im_end|> inside, and <tool_call> too\n",
+             "Task id: b\n" + "long issue text " * 200, ""]
+    for content in users * 2:  # the second round takes the head from the cache
+        base = [system, {"role": "user", "content": content}]
+        assert _prompt_ids(tok, base) == _whole_prompt(tok, base), content[:40]
+
+
+def test_a_tokenizer_that_joins_across_end_of_turn_encodes_prompts_whole() -> None:
+    # With rstrip, the end-of-turn token swallows the newline after it: encoding the text after
+    # it alone would keep that newline as a token of its own.
+    tok = load_tokenizer()
+    tok.backend_tokenizer.add_special_tokens([AddedToken("<|im_end|>", rstrip=True, special=True, normalized=False)])
+    base = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "Task id: c"}]
+    whole = _whole_prompt(tok, base)
+    codec = TokenCodec(tok)
+    head, eot, rest = tok.apply_chat_template(base, tools=TOOLS, tokenize=False,
+                                              add_generation_prompt=True).partition("<|im_end|>")
+    assert whole != [*codec.encode(head), whole[len(codec.encode(head))], *codec.encode(rest)], \
+        "the split would be exact: nothing to test"
+    for _ in range(2):  # the first prompt finds the split inexact, the second must not use it
+        assert _prompt_ids(tok, base) == whole

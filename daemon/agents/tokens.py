@@ -56,6 +56,9 @@ _PLACEHOLDERS = (" \n\x1frolloutd-content-a\x1f\n ", "\t\x1frolloutd-content-b\x
 
 Message = dict[str, str]
 
+_HEAD_CACHE_SIZE = 64
+"""Distinct system messages whose ids a shape keeps (one per agent configuration in use)."""
+
 
 class TokenCodec:
     """encode/decode without special-token insertion or clean-up, through the tokenizer's Rust
@@ -116,6 +119,7 @@ class ChatFraming:
         self.separator = closing[len(self.eot_text):]
         self._cut = len(self.base_text) - len(self.separator)
         self._frames: dict[str, tuple[str, str] | None] = {}
+        self._head_ids: dict[str, list[int] | None] = {}
 
     def _take_shape(self, shape: ChatFraming) -> None:
         expected = shape.prompt_text
@@ -138,6 +142,32 @@ class ChatFraming:
         if not isinstance(text, str):
             raise ConfigError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
         return text
+
+    def encode_prompt(self, codec: TokenCodec) -> list[int]:
+        """``codec.encode(prompt_text)``, with the text before the first end-of-turn token (the
+        system message and tool list, most of a prompt and the same for every rollout of an agent)
+        encoded once per shape. The end-of-turn token is matched before BPE, so the text on either
+        side encodes alone; the first prompt with a given head is encoded whole too and compared,
+        and a tokenizer where the split changes the ids never uses it."""
+        head, eot, rest = self.prompt_text.partition(self.eot_text)
+        if not eot:
+            return codec.encode(self.prompt_text)
+        cache = self._shape._head_ids
+        if head not in cache:
+            whole = codec.encode(self.prompt_text)
+            head_ids = codec.encode(head)
+            exact = whole == [*head_ids, self.eot_id, *codec.encode(rest)]
+            if not exact:
+                log.info("the tokenizer encodes the prompt differently when split at its end-of-turn token; "
+                         "encoding each prompt whole")
+            if len(cache) >= _HEAD_CACHE_SIZE:
+                del cache[next(iter(cache))]
+            cache[head] = head_ids if exact else None
+            return whole
+        head_ids = cache[head]
+        if head_ids is None:
+            return codec.encode(self.prompt_text)
+        return [*head_ids, self.eot_id, *codec.encode(rest)]
 
     def _delta(self, messages: list[Message]) -> str:
         """Text the template adds after the base for ``messages`` (+ generation prompt), separator first."""
@@ -233,7 +263,7 @@ class TokenLedger:
         self.max_total_tokens = max_total_tokens
         self.messages: list[Message] = [dict(m) for m in base]
         self._n_base = len(base)
-        self.prompt_ids = np.asarray(self.codec.encode(self.framing.prompt_text), dtype=np.int32)
+        self.prompt_ids = np.asarray(self.framing.encode_prompt(self.codec), dtype=np.int32)
         self.ids = GrowingIds(self.prompt_ids.tolist())
         self._n_prompt = len(self.ids)
         self._chunks: list[_Chunk] = []
