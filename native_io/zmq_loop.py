@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 BATCH = 256
 """Messages handled per callback before yielding to other loop work."""
 
+# Plain ints: pyzmq's enum members build a new flag object on every ``&`` and ``|``.
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+
 
 class LoopSocket:
     def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[zmq.Frame]], None],
@@ -46,12 +49,18 @@ class LoopSocket:
         self._scheduled = False
         sock = self.sock
         for _ in range(BATCH):
-            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            # recv_multipart asks the socket for RCVMORE after every frame; the frame knows. The
+            # rest of a multipart message is there once its first frame is.
+            frames = [frame]
+            while frame.more:
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             try:
                 self.on_message(frames)
             except Exception:  # one bad message must not stop the socket
@@ -59,9 +68,16 @@ class LoopSocket:
         self._schedule()
 
     def send(self, frames: list[Any]) -> None:
-        """Send now; raises zmq.ZMQError (e.g. EHOSTUNREACH on a ROUTER_MANDATORY socket)."""
-        self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        """Send now; raises zmq.ZMQError (e.g. EHOSTUNREACH on a ROUTER_MANDATORY socket).
+
+        The frame-by-frame sends that send_multipart makes, without its Python type check of every
+        frame first (half the cost of a small message)."""
+        sock = self.sock
+        *head, last = frames
+        for frame in head:
+            sock.send(frame, _NOBLOCK | _SNDMORE, copy=False)
+        sock.send(last, _NOBLOCK, copy=False)
+        if sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
 
     def close(self, linger_ms: int = 0) -> None:
