@@ -72,3 +72,10 @@ async def test_kernel_uses_ipc_only(lease: Lease) -> None:
     procs = [tree, *tree.children(recursive=True)]
     for p in procs:
         assert p.net_connections(kind="inet") == [], f"{p.cmdline()} opened a TCP/UDP socket"
+
+
+async def test_kernel_starts_without_debugger_and_jedi_but_cells_can_import_them(lease: Lease) -> None:
+    loaded = await lease.ipython("import sys\nsorted(m for m in ('debugpy', 'jedi') if m in sys.modules)")
+    assert loaded.result == "[]", "the kernel loaded debugpy or jedi at start-up"
+    imported = await lease.ipython("import debugpy, jedi\n(debugpy.__name__, jedi.__name__)")
+    assert (imported.status, imported.result) == ("ok", "('debugpy', 'jedi')"), imported.error

@@ -5,11 +5,21 @@ rolloutd): the daemon copies this file into the sandbox's run folder. Stock ipyk
 TCP port on 127.0.0.1 to collect output from forked children; with ipc transport everywhere
 else, that port would be the only network listener of a sandbox. Output of forked children
 then goes to the kernel log instead of the cell.
+
+Two optional packages are hidden while the kernel starts up: the debugger (debugpy) and jedi, which
+IPython uses for tab completion. Importing them is a fifth or more of a kernel's start-up CPU,
+paid in every sandbox, and an agent's cells use neither: a ``debug_request`` is answered as
+unsupported and completion falls back to IPython's own, as on a kernel where they are not
+installed. Cells can still import both.
 """
 
 import sys
 
-import ipykernel.kernelapp as kernelapp
+_HIDDEN = ("debugpy", "jedi")
+for _name in _HIDDEN:
+    sys.modules[_name] = None  # type: ignore[assignment]  # `import` raises ImportError
+
+import ipykernel.kernelapp as kernelapp  # noqa: E402
 
 
 class _IOPubWithoutPipe(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
@@ -20,4 +30,8 @@ class _IOPubWithoutPipe(kernelapp.IOPubThread):  # type: ignore[name-defined,mis
 kernelapp.IOPubThread = _IOPubWithoutPipe  # type: ignore[attr-defined]
 
 if __name__ == "__main__":
-    kernelapp.IPKernelApp.launch_instance(argv=sys.argv[1:])
+    app = kernelapp.IPKernelApp.instance()
+    app.initialize(sys.argv[1:])  # ipykernel 7 loads its debugger and IPython its completer here
+    for _name in _HIDDEN:
+        del sys.modules[_name]
+    app.start()
