@@ -11,6 +11,7 @@ covers root, where the kernel ignores RLIMIT_NPROC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -291,9 +292,7 @@ class WarmPool:
     async def _watchdog_loop(self) -> None:
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            # A ready sandbox has run nothing but its start-up probes: only leased ones can grow,
-            # and an idle daemon reads no /proc at all.
-            leases = list(self._leased.values())
+            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
             if not leases:
                 continue
             census = await asyncio.to_thread(self.backend.census)
@@ -307,6 +306,9 @@ class WarmPool:
                     )
                     log.warning("sandbox %s: %s", lease.id, lease.lost_reason)
                     self.counters["watchdog_kills"] += 1
+                    for queue in self._ready.values():
+                        with contextlib.suppress(ValueError):
+                            queue.remove(lease)
                     await lease.sandbox.stop()
 
     def stats(self) -> dict[str, Any]:
