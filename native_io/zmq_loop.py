@@ -26,7 +26,12 @@ BATCH = 256
 """Messages handled per callback before yielding to other loop work."""
 
 # Plain ints: pyzmq's enum members build a new flag object on every ``&`` and ``|``.
-_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_NOBLOCK_MORE = _NOBLOCK | int(zmq.SNDMORE)
+_BUFFERS = (bytes, zmq.Frame, memoryview)
+# The Cython backend (CPython's) tells on each received frame whether more follow; the cffi one
+# leaves Frame.more unset, so there the socket is asked.
+_FRAME_KNOWS_MORE = zmq.backend.Socket.__module__.startswith("zmq.backend.cython")
 
 
 class LoopSocket:
@@ -52,15 +57,9 @@ class LoopSocket:
             if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
             try:
-                frame = sock.recv(_NOBLOCK, copy=False)
+                frames = _recv_message(sock)
             except zmq.Again:
                 return
-            # recv_multipart asks the socket for RCVMORE after every frame; the frame knows. The
-            # rest of a multipart message is there once its first frame is.
-            frames = [frame]
-            while frame.more:
-                frame = sock.recv(_NOBLOCK, copy=False)
-                frames.append(frame)
             try:
                 self.on_message(frames)
             except Exception:  # one bad message must not stop the socket
@@ -68,14 +67,20 @@ class LoopSocket:
         self._schedule()
 
     def send(self, frames: list[Any]) -> None:
-        """Send now; raises zmq.ZMQError (e.g. EHOSTUNREACH on a ROUTER_MANDATORY socket).
+        """Send now; raises zmq.ZMQError (e.g. EHOSTUNREACH on a ROUTER_MANDATORY socket, on the
+        first frame) or TypeError (a frame that is not a buffer), with nothing sent.
 
-        The frame-by-frame sends that send_multipart makes, without its Python type check of every
-        frame first (half the cost of a small message)."""
+        send_multipart's sends, with int flags: it ORs pyzmq's flag enums for every frame, which
+        costs as much as the sends themselves for small frames. As there, every frame is checked
+        before the first goes out: a half-sent message would be completed by the next send's
+        frames (on a ROUTER, delivered to the wrong peer)."""
+        for frame in frames:
+            if not isinstance(frame, _BUFFERS):
+                memoryview(frame)  # TypeError for what is not a buffer
         sock = self.sock
         *head, last = frames
         for frame in head:
-            sock.send(frame, _NOBLOCK | _SNDMORE, copy=False)
+            sock.send(frame, _NOBLOCK_MORE, copy=False)
         sock.send(last, _NOBLOCK, copy=False)
         if sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
@@ -84,3 +89,16 @@ class LoopSocket:
         if not self.sock.closed:
             self.loop.remove_reader(self._fd)
             self.sock.close(linger=linger_ms)
+
+
+def _recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """The next whole message (zmq.Again when there is none); its frames are all there once the
+    first is. recv_multipart asks the socket for RCVMORE after every frame, where the frame knows."""
+    if not _FRAME_KNOWS_MORE:
+        return sock.recv_multipart(_NOBLOCK, copy=False)
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames

@@ -1,0 +1,60 @@
+"""LoopSocket over real ipc sockets: whole multipart messages both ways, and a bad frame sends nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from rolloutd.native_io.zmq_loop import LoopSocket
+
+
+async def _pair(short_tmp: Path) -> tuple[LoopSocket, LoopSocket, asyncio.Queue[list[bytes]]]:
+    ctx = zmq.Context.instance()
+    address = f"ipc://{short_tmp}/loop.sock"
+    received: asyncio.Queue[list[bytes]] = asyncio.Queue()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address)
+
+    def on_router(frames: list[Any]) -> None:
+        received.put_nowait([f.bytes for f in frames])
+
+    return LoopSocket(router, on_router), LoopSocket(dealer, lambda frames: None), received
+
+
+async def test_multipart_messages_arrive_whole_and_in_order(short_tmp: Path) -> None:
+    router, dealer, received = await _pair(short_tmp)
+    try:
+        big = np.arange(100_000, dtype=np.int32)
+        sent = [[b"one"], [b"", b"two", b"frames"], [b"head", memoryview(b"view"), big, b"tail"]]
+        for message in sent:
+            dealer.send(message)
+        for message in sent:
+            got = await asyncio.wait_for(received.get(), 5)
+            identity, *frames = got
+            assert identity and frames == [bytes(memoryview(f)) for f in message]
+    finally:
+        dealer.close()
+        router.close()
+
+
+async def test_a_frame_that_is_not_a_buffer_sends_nothing(short_tmp: Path) -> None:
+    router, dealer, received = await _pair(short_tmp)
+    try:
+        with pytest.raises(TypeError):
+            dealer.send([b"first", "a str is not a buffer", b"third"])
+        dealer.send([b"next", b"message"])
+        _, *frames = await asyncio.wait_for(received.get(), 5)
+        # A half-sent message would have swallowed this one's frames.
+        assert frames == [b"next", b"message"]
+        await asyncio.sleep(0.05)
+        assert received.empty()
+    finally:
+        dealer.close()
+        router.close()
