@@ -201,8 +201,8 @@ def test_template_that_reads_the_base_contents_gets_its_own_framing() -> None:
     assert _framing_facts(framing) == _framing_facts(ChatFraming(tok, BASE, TOOLS, codec))
 
 
-def _prompt_ids(tok: Any, base: list[dict[str, str]]) -> list[int]:
-    return TokenLedger(tok, base, TOOLS, max_total_tokens=100_000).prompt_ids.tolist()
+def _ledger(tok: Any, base: list[dict[str, str]]) -> TokenLedger:
+    return TokenLedger(tok, base, TOOLS, max_total_tokens=100_000)
 
 
 def _whole_prompt(tok: Any, base: list[dict[str, str]]) -> list[int]:
@@ -217,10 +217,14 @@ def test_prompts_sharing_a_system_message_encode_as_a_whole() -> None:
              "Task id: b\n" + "long issue text " * 200, ""]
     for content in users * 2:  # the second round takes the head from the cache
         base = [system, {"role": "user", "content": content}]
-        assert _prompt_ids(tok, base) == _whole_prompt(tok, base), content[:40]
+        ledger = _ledger(tok, base)
+        assert ledger.prompt_ids.tolist() == _whole_prompt(tok, base), content[:40]
+    heads = list(ledger.framing._shape._head_ids)
+    assert len(heads) == 1 and system["content"] in heads[0], "the system message's ids were not kept"
 
 
-def test_a_tokenizer_that_joins_across_end_of_turn_encodes_prompts_whole() -> None:
+@pytest.mark.parametrize("found_by", ["token flags", "comparison"])
+def test_a_tokenizer_that_joins_across_end_of_turn_encodes_prompts_whole(found_by: str) -> None:
     # With rstrip, the end-of-turn token swallows the newline after it: encoding the text after
     # it alone would keep that newline as a token of its own.
     tok = load_tokenizer()
@@ -228,9 +232,14 @@ def test_a_tokenizer_that_joins_across_end_of_turn_encodes_prompts_whole() -> No
     base = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "Task id: c"}]
     whole = _whole_prompt(tok, base)
     codec = TokenCodec(tok)
-    head, eot, rest = tok.apply_chat_template(base, tools=TOOLS, tokenize=False,
-                                              add_generation_prompt=True).partition("<|im_end|>")
+    head, _, rest = tok.apply_chat_template(base, tools=TOOLS, tokenize=False,
+                                            add_generation_prompt=True).partition("<|im_end|>")
     assert whole != [*codec.encode(head), whole[len(codec.encode(head))], *codec.encode(rest)], \
         "the split would be exact: nothing to test"
-    for _ in range(2):  # the first prompt finds the split inexact, the second must not use it
-        assert _prompt_ids(tok, base) == whole
+    shape = framing_for(tok, base, TOOLS, codec)._shape
+    assert shape._split_exact is False, "the rstrip flag was not seen"
+    if found_by == "comparison":  # a tokenizer that does not expose its added tokens' flags
+        shape._split_exact = True
+    for _ in range(2):  # the second prompt must not use a split the first found inexact
+        assert _ledger(tok, base).prompt_ids.tolist() == whole
+    assert shape._split_exact is False and not shape._head_ids

@@ -56,8 +56,9 @@ _PLACEHOLDERS = (" \n\x1frolloutd-content-a\x1f\n ", "\t\x1frolloutd-content-b\x
 
 Message = dict[str, str]
 
-_HEAD_CACHE_SIZE = 64
-"""Distinct system messages whose ids a shape keeps (one per agent configuration in use)."""
+_HEAD_CACHE_SIZE = 16
+"""System messages whose ids a shared framing keeps, the most recently used (about one per agent
+configuration in use)."""
 
 
 class TokenCodec:
@@ -119,7 +120,11 @@ class ChatFraming:
         self.separator = closing[len(self.eot_text):]
         self._cut = len(self.base_text) - len(self.separator)
         self._frames: dict[str, tuple[str, str] | None] = {}
-        self._head_ids: dict[str, list[int] | None] = {}
+        self._head_ids: dict[str, np.ndarray] = {}
+        # With lstrip, rstrip or single_word, whether the token matches (and what it swallows)
+        # depends on the text around it, so the text on one side does not encode alone.
+        token = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(self.eot_id)
+        self._split_exact = not any(getattr(token, flag, False) for flag in ("lstrip", "rstrip", "single_word"))
 
     def _take_shape(self, shape: ChatFraming) -> None:
         expected = shape.prompt_text
@@ -144,30 +149,33 @@ class ChatFraming:
         return text
 
     def encode_prompt(self, codec: TokenCodec) -> list[int]:
-        """``codec.encode(prompt_text)``, with the text before the first end-of-turn token (the
-        system message and tool list, most of a prompt and the same for every rollout of an agent)
-        encoded once per shape. The end-of-turn token is matched before BPE, so the text on either
-        side encodes alone; the first prompt with a given head is encoded whole too and compared,
-        and a tokenizer where the split changes the ids never uses it."""
+        """``codec.encode(prompt_text)``. A framing shared through :func:`framing_for` keeps the
+        ids of the text before the first end-of-turn token: the system message and tool list,
+        most of a prompt and the same for every rollout of an agent. The end-of-turn token is an
+        added token, matched before BPE, so the text on either side encodes alone; the first
+        prompt with a new head is encoded whole as well and compared, and one mismatch turns the
+        split off for the shape."""
+        shape = self._shape
         head, eot, rest = self.prompt_text.partition(self.eot_text)
-        if not eot:
+        if shape is self or not shape._split_exact or not eot:
             return codec.encode(self.prompt_text)
-        cache = self._shape._head_ids
-        if head not in cache:
+        cache = shape._head_ids
+        head_ids = cache.pop(head, None)
+        if head_ids is None:
             whole = codec.encode(self.prompt_text)
-            head_ids = codec.encode(head)
-            exact = whole == [*head_ids, self.eot_id, *codec.encode(rest)]
-            if not exact:
-                log.info("the tokenizer encodes the prompt differently when split at its end-of-turn token; "
-                         "encoding each prompt whole")
+            parts = codec.encode(head)
+            if whole != [*parts, self.eot_id, *codec.encode(rest)]:
+                log.warning("the tokenizer encodes prompts differently when split at the end-of-turn token; "
+                            "encoding them whole")
+                shape._split_exact = False
+                cache.clear()
+                return whole
             if len(cache) >= _HEAD_CACHE_SIZE:
                 del cache[next(iter(cache))]
-            cache[head] = head_ids if exact else None
+            cache[head] = np.asarray(parts, dtype=np.int32)
             return whole
-        head_ids = cache[head]
-        if head_ids is None:
-            return codec.encode(self.prompt_text)
-        return [*head_ids, self.eot_id, *codec.encode(rest)]
+        cache[head] = head_ids  # back in as the most recently used
+        return [*head_ids.tolist(), self.eot_id, *codec.encode(rest)]
 
     def _delta(self, messages: list[Message]) -> str:
         """Text the template adds after the base for ``messages`` (+ generation prompt), separator first."""
