@@ -8,9 +8,9 @@ then goes to the kernel log instead of the cell.
 
 Two optional packages are hidden while the kernel starts up: the debugger (debugpy) and jedi, which
 IPython uses for tab completion. Importing them is a fifth or more of a kernel's start-up CPU,
-paid in every sandbox, and an agent's cells use neither: a ``debug_request`` is answered as
-unsupported and completion falls back to IPython's own, as on a kernel where they are not
-installed. Cells can still import both.
+paid in every sandbox, and an agent's cells use neither: the kernel then answers as one where they
+are not installed (an empty ``debug_reply``, IPython's own completion). Cells can still import
+both.
 """
 
 import sys
@@ -31,7 +31,8 @@ kernelapp.IOPubThread = _IOPubWithoutPipe  # type: ignore[attr-defined]
 
 if __name__ == "__main__":
     app = kernelapp.IPKernelApp.instance()
-    app.initialize(sys.argv[1:])  # ipykernel 7 loads its debugger and IPython its completer here
+    app.initialize(sys.argv[1:])  # ipykernel 7 imports its debugger here, not with kernelapp
     for _name in _HIDDEN:
-        del sys.modules[_name]
+        if sys.modules.get(_name, 0) is None:
+            del sys.modules[_name]
     app.start()
