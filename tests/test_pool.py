@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
-from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
 from rolloutd.native_io.errors import SandboxLost
 
 
@@ -98,3 +98,17 @@ async def test_fork_bomb_is_contained(backend: SandboxBackend) -> None:
         assert pool.counters["watchdog_kills"] == 1
     finally:
         await pool.close()
+
+
+async def test_stop_kills_what_is_still_forking(backend: SandboxBackend) -> None:
+    # The lease's shell keeps starting sleepers while the sandbox is stopped: nothing it started,
+    # before or during the stop, may outlive it.
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
+    try:
+        await lease.run("(while :; do sleep 60 & done) >/dev/null 2>&1 &", timeout_s=10)
+        await asyncio.sleep(0.2)
+        assert len(lease.sandbox.process_ids()) > 5
+        await lease.sandbox.stop()
+        assert lease.sandbox.process_ids() == []
+    finally:
+        await lease.destroy()

@@ -6,6 +6,7 @@ user with the host's files, network and software. It says so at creation time, l
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from .base import Sandbox, SandboxBackend, SandboxSpec
 log = logging.getLogger(__name__)
 
 _WARNED = False
+_KILL_PASSES = 50
 
 
 class LocalSandbox(Sandbox):
@@ -44,13 +46,25 @@ class LocalSandbox(Sandbox):
         self.prepare_folders()
 
     async def stop(self) -> None:
-        pids = self.process_ids()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.stop_rung = "sigkill" if pids else "exited"
+        # Without a PID namespace to tear down, killing is a race with whatever still forks: a
+        # process started between a scan and the death of its parent escapes that pass. So kill
+        # until a scan finds nothing; once the forking parents are dead, the next pass is the last.
+        killed = False
+        for _ in range(_KILL_PASSES):
+            pids = self.process_ids()
+            if not pids:
+                break
+            killed = True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            await asyncio.sleep(0)
+        else:
+            log.warning("local sandbox %s: processes %s survived %d rounds of SIGKILL", self.id,
+                        self.process_ids(), _KILL_PASSES)
+        self.stop_rung = "sigkill" if killed else "exited"
         await self.remove_folders()
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
