@@ -32,6 +32,9 @@ class MsgType(IntEnum):
     """client -> daemon: cancel ``id`` (its final answer then says CANCELLED)."""
     RELEASE = 5
     """client -> daemon, then supervisor -> worker: ``segments`` are no longer needed (no answer)."""
+    CENSUS = 6
+    """supervisor -> worker: processes per ``keys`` (``counts``), one /proc pass for the node's
+    sandbox watchdogs (no answer)."""
     STARTED = 16
     """worker -> supervisor: execution of ``id`` began (it will not be re-dispatched)."""
     HELLO = 17

@@ -50,7 +50,7 @@ from rolloutd.native_io.errors import (
     WorkerLost,
     error_from_code,
 )
-from rolloutd.native_io.procfs import pid_alive
+from rolloutd.native_io.procfs import CENSUS_INTERVAL_S, CENSUSES, pid_alive
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
@@ -74,6 +74,8 @@ class WorkerHandle:
     stats: dict[str, Any] = field(default_factory=dict)
     restart_delay_s: float = 0.5
     link: UnixLink | None = None
+    census_kind: str | None = None
+    """What its sandbox backend counts processes per (``procfs.CENSUSES``), from its HELLO."""
 
     def send(self, frames: list[Any]) -> None:
         if self.link is None or self.link.closed:
@@ -168,6 +170,7 @@ class Supervisor:
                     tcp, self.curve = bind_curve_router(self.ctx, self.config)
                     self.tcp = LoopSocket(tcp, lambda f: self._on_client_message(self.tcp, f, True))
                 tg.create_task(self._reclaim_loop())
+                tg.create_task(self._census_loop())
                 log.info("node daemon ready at %s with %d workers", self.config.address, len(self.workers))
                 if ready is not None:
                     ready.set()
@@ -299,6 +302,7 @@ class Supervisor:
             return
         if msg_type == MsgType.HELLO:
             w.ready = True
+            w.census_kind = header.get("census")
             log.info("worker %d ready (pid %s)", w.index, header.get("pid"))
             self._flush_queue()
         elif msg_type == MsgType.STATS:
@@ -590,6 +594,22 @@ class Supervisor:
                         MsgType.REQUEST, {"id": rid, "op": "sandbox.close", "args": {"sandbox_id": sid}}), None)
                     self.pending[rid] = close
                     self._dispatch(close, self.workers[idx])
+
+    async def _census_loop(self) -> None:
+        """One /proc pass per watchdog interval for the whole node, sent to the workers that have
+        sandboxes: each would otherwise read every process of the host itself, so the cost grew
+        with workers x processes. A worker whose census goes stale scans on its own."""
+        while True:
+            await asyncio.sleep(CENSUS_INTERVAL_S)
+            workers = [w for w in self.workers.values() if w.ready and w.census_kind in CENSUSES
+                       and any(w.stats.get("pool", {}).get(k) for k in ("ready", "starting", "leased"))]
+            for kind in {w.census_kind for w in workers}:
+                census = await asyncio.to_thread(CENSUSES[kind])
+                frames = framing.encode(MsgType.CENSUS, {"keys": list(census), "counts": list(census.values())})
+                for w in workers:
+                    if w.census_kind == kind:
+                        with contextlib.suppress(ConnectionError):  # it died meanwhile: restarted elsewhere
+                            w.send(frames)
 
     def status(self) -> dict[str, Any]:
         sandboxes: dict[str, int] = {"ready": 0, "starting": 0, "leased": 0}

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,8 @@ class Worker:
         self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=stopping.set)
         await self.pool.start()
         await self._start_pipeline()
-        self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation})
+        self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation,
+                                  "census": self.backend.census_kind})
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
@@ -146,13 +148,16 @@ class Worker:
         try:
             msg_type, header, buffers = framing.decode(
                 frames, max_bytes=self.config.max_message_bytes,
-                known_types=frozenset({MsgType.REQUEST, MsgType.CANCEL, MsgType.RELEASE}),
+                known_types=frozenset({MsgType.REQUEST, MsgType.CANCEL, MsgType.RELEASE, MsgType.CENSUS}),
             )
         except RolloutdError:
             log.exception("worker %d: undecodable message from the supervisor", self.index)
             return
         if msg_type == MsgType.RELEASE:
             self.arena.free(header.get("segments", []))
+            return
+        if msg_type == MsgType.CENSUS:
+            self.pool.take_census(Counter(dict(zip(header.get("keys", []), header.get("counts", [])))))
             return
         rid = header.get("id", "")
         if msg_type == MsgType.CANCEL:

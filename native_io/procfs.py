@@ -1,7 +1,7 @@
 """Reading /proc: which processes live, in which session and PID namespace.
 
 One pass over /proc serves every sandbox (the watchdog scans once per interval, not once per
-sandbox). Zombies count as dead in ``live_processes``: orphans can wait a long time for PID 1 to
+sandbox), and on a node every worker (the supervisor takes it and sends it to them). Zombies count as dead in ``live_processes``: orphans can wait a long time for PID 1 to
 reap them.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -78,3 +79,15 @@ def live_processes() -> list[ProcInfo]:
         out.append(ProcInfo(int(entry.name), stat[stat.find(b"(") + 1 : close].decode(errors="replace"),
                             int(rest[3]), pidns_of(entry.name)))  # rest: state, ppid, pgrp, session
     return out
+
+
+def session_census() -> Counter[int]:
+    """Live processes per session id."""
+    return Counter(p.session for p in live_processes())
+
+
+CENSUSES: dict[str, Callable[[], Counter[int]]] = {"pidns": pidns_census, "session": session_census}
+"""The node-wide counts a sandbox backend's watchdog reads, by what they count processes per."""
+
+CENSUS_INTERVAL_S = 1.0
+"""How often the sandbox watchdogs count processes, and the supervisor takes its census for them."""

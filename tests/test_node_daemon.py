@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,25 @@ def test_apptainer_sandbox_through_daemon(short_tmp: Path) -> None:
                 assert sb.info["isolated"] and sb.info["backend"] == "apptainer"
                 assert sb.run("cat /etc/os-release | head -1").output.startswith('PRETTY_NAME="Debian')
                 assert sb.ipython("import sys; sys.version_info[0]").result == "3"
+
+
+@pytest.mark.apptainer
+def test_fork_bomb_is_stopped_by_the_supervisors_census(short_tmp: Path) -> None:
+    # Running as root, RLIMIT_NPROC does not apply: only the watchdog stops this, and on a node it
+    # counts with the census the supervisor takes once for all workers.
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "2", "--warm", "1") as address:
+        with RolloutClient(address) as client:
+            def own_censuses() -> int:
+                return sum(w["pool"]["own_censuses"] for w in client.status()["workers"])
+
+            with client.open_sandbox(ipython=False) as sb:
+                time.sleep(3)  # until the supervisor's census flows (workers scan alone before it)
+                before = own_censuses()
+                with pytest.raises(SandboxLost):
+                    # 600 sleepers, over the default limit of 512; the sandbox is destroyed under it.
+                    sb.run("for i in $(seq 600); do sleep 60 & done; wait", timeout_s=60)
+                with pytest.raises(SandboxLost, match="max_processes"):
+                    sb.run("echo hi")
+                time.sleep(1.5)  # workers report their counters once a second
+                assert own_censuses() - before <= 1, "the workers scanned /proc themselves"
+            assert sum(w["pool"]["watchdog_kills"] for w in client.status()["workers"]) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import os
 
 import pytest
@@ -112,3 +113,27 @@ async def test_stop_kills_what_is_still_forking(backend: SandboxBackend) -> None
         assert lease.sandbox.process_ids() == []
     finally:
         await lease.destroy()
+
+
+async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend) -> None:
+    # What a node's supervisor sends: one census for every worker. A census that says the lease's
+    # processes are far over its limit must be acted on without a scan of the pool's own.
+    spec = SandboxSpec(ipython=False, limits=SandboxLimits(max_processes=40))
+    pool = WarmPool(backend, warm_specs={}, watchdog_interval_s=0.05)
+    await pool.start()
+    try:
+        lease = await pool.lease(spec)
+        assert lease.sandbox.process_count(backend.census()) < 40
+        over = Counter({key: 1000 for key in backend.census()})
+        for _ in range(40):
+            pool.take_census(over)
+            if lease.lost_reason:
+                break
+            await asyncio.sleep(0.02)
+        assert lease.lost_reason and "max_processes" in lease.lost_reason
+        assert pool.counters["own_censuses"] == 0
+        healthy = await pool.lease(spec)
+        await asyncio.sleep(0.5)  # the given census is now stale: the watchdog counts for itself
+        assert pool.counters["own_censuses"] > 0 and not healthy.lost_reason
+    finally:
+        await pool.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
-from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_census, pidns_of
+from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
@@ -189,6 +189,7 @@ class ApptainerSandbox(Sandbox):
 
 class ApptainerBackend(SandboxBackend):
     name = "apptainer"
+    census_kind = "pidns"  # each instance has a PID namespace of its own
 
     def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0) -> None:
         if not apptainer_available():
@@ -205,10 +206,6 @@ class ApptainerBackend(SandboxBackend):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("APPTAINER_", "SINGULARITY_"))}
         env["APPTAINER_CONFIGDIR"] = str(self.config_dir)
         return env
-
-    def census(self) -> Counter[int]:
-        """Processes per PID namespace: each instance has its own."""
-        return pidns_census()
 
     def create(self, spec: SandboxSpec) -> ApptainerSandbox:
         sid = uuid.uuid4().hex[:10]

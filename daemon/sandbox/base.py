@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from rolloutd.native_io.errors import ConfigError
-from rolloutd.native_io.procfs import ProcInfo, live_processes
+from rolloutd.native_io.procfs import CENSUSES, ProcInfo, live_processes
 from rolloutd.native_io.spawn import DEVNULL, spawn
 
 log = logging.getLogger(__name__)
@@ -197,10 +197,12 @@ class SandboxBackend(abc.ABC):
         so the daemon spends no CPU per file."""
         self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
+    census_kind = "session"
+    """What :meth:`census` counts processes per (a key of ``procfs.CENSUSES``): session ids here."""
+
     def census(self) -> Counter[int]:
-        """One pass over /proc that the watchdog hands to every sandbox's ``process_count``:
-        here processes per session."""
-        return Counter(p.session for p in live_processes())
+        """One pass over /proc that the watchdog hands to every sandbox's ``process_count``."""
+        return CENSUSES[self.census_kind]()
 
     @abc.abstractmethod
     def create(self, spec: SandboxSpec) -> Sandbox:

@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
+from rolloutd.native_io.procfs import CENSUS_INTERVAL_S
 from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
 
 from ..sessions.ipython import ExecuteResult, KernelSession
@@ -123,7 +124,7 @@ class WarmPool:
         warm_specs: dict[SandboxSpec, int] | None = None,
         max_age_s: float = 3600.0,
         start_concurrency: int = 2,
-        watchdog_interval_s: float = 1.0,
+        watchdog_interval_s: float = CENSUS_INTERVAL_S,
     ) -> None:
         self.backend = backend
         self.warm_specs = dict(warm_specs or {})
@@ -139,7 +140,8 @@ class WarmPool:
         self._destroying: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
-                         "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0}
+                         "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0}
+        self._given_census: tuple[float, Counter[int]] | None = None
         self.last_start_error: str | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -295,7 +297,10 @@ class WarmPool:
             leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
             if not leases:
                 continue
-            census = await asyncio.to_thread(self.backend.census)
+            census = self._fresh_census()
+            if census is None:
+                self.counters["own_censuses"] += 1
+                census = await asyncio.to_thread(self.backend.census)
             for lease in leases:
                 limit = lease.sandbox.spec.limits.max_processes
                 count = lease.sandbox.process_count(census)
@@ -310,6 +315,18 @@ class WarmPool:
                         with contextlib.suppress(ValueError):
                             queue.remove(lease)
                     await lease.sandbox.stop()
+
+    def take_census(self, census: Counter[int]) -> None:
+        """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
+        for all the workers of a node, where each worker would otherwise read every process of
+        the host itself. The watchdog uses it while it is fresh, and scans on its own otherwise."""
+        self._given_census = (time.monotonic(), census)
+
+    def _fresh_census(self) -> Counter[int] | None:
+        if self._given_census is None:
+            return None
+        taken_at, census = self._given_census
+        return census if time.monotonic() - taken_at <= 3 * self.watchdog_interval_s else None
 
     def stats(self) -> dict[str, Any]:
         return {
