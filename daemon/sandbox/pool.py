@@ -15,8 +15,9 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
 from rolloutd.native_io.procfs import CENSUS_INTERVAL_S
@@ -26,6 +27,8 @@ from ..sessions.ipython import ExecuteResult, KernelSession
 from .base import Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,11 +53,7 @@ class Lease:
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
         self._check()
         limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
-        try:
-            return await self.shell.run(command, timeout_s=limit)
-        except SessionError:
-            self._check()
-            raise
+        return await self._unless_lost(self.shell.run(command, timeout_s=limit))
 
     async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
         self._check()
@@ -64,11 +63,18 @@ class Lease:
                 "(the image needs ipykernel)"
             )
         limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
+        return await self._unless_lost(self.kernel.execute(code, timeout_s=limit))
+
+    async def _unless_lost(self, call: Awaitable[T]) -> T:
+        """``call``'s answer, or SandboxLost when the sandbox was lost while it ran (the watchdog
+        destroyed it): its session then fails, or answers from a process it respawned outside."""
         try:
-            return await self.kernel.execute(code, timeout_s=limit)
+            result = await call
         except SessionError:
             self._check()
             raise
+        self._check()
+        return result
 
     async def destroy(self) -> None:
         # The sandbox first: killing an instance's init ends every process inside at once, so the
