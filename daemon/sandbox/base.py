@@ -188,6 +188,8 @@ class Sandbox(abc.ABC):
 
 class SandboxBackend(abc.ABC):
     name: str = ""
+    census_kind = "session"
+    """What :meth:`census` counts processes per (a key of ``procfs.CENSUSES``): session ids here."""
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
@@ -196,9 +198,6 @@ class SandboxBackend(abc.ABC):
         once on the host, such as task templates, each sandbox copies in with its own processes,
         so the daemon spends no CPU per file."""
         self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-    census_kind = "session"
-    """What :meth:`census` counts processes per (a key of ``procfs.CENSUSES``): session ids here."""
 
     def census(self) -> Counter[int]:
         """One pass over /proc that the watchdog hands to every sandbox's ``process_count``."""

@@ -49,9 +49,10 @@ class LocalSandbox(Sandbox):
         # Without a PID namespace to tear down, killing is a race with whatever still forks: a
         # process started between a scan and the death of its parent escapes that pass. So kill
         # until a scan finds nothing; once the forking parents are dead, the next pass is the last.
+        # Each pass reads every process of the host: off the event loop, as the watchdog's census.
         killed = False
         for _ in range(_KILL_PASSES):
-            pids = self.process_ids()
+            pids = await asyncio.to_thread(self.process_ids)
             if not pids:
                 break
             killed = True
@@ -60,10 +61,9 @@ class LocalSandbox(Sandbox):
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-            await asyncio.sleep(0)
         else:
             log.warning("local sandbox %s: processes %s survived %d rounds of SIGKILL", self.id,
-                        self.process_ids(), _KILL_PASSES)
+                        await asyncio.to_thread(self.process_ids), _KILL_PASSES)
         self.stop_rung = "sigkill" if killed else "exited"
         await self.remove_folders()
 
