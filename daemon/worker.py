@@ -66,11 +66,12 @@ class Worker:
         self.link_fd = link_fd
         self.link: UnixLink | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
-        self.default_spec = SandboxSpec(image=config.image, ipython=config.warm_ipython)
+        self.default_spec = SandboxSpec(image=config.image)
         self.pool = WarmPool(
             self.backend,
             warm_specs={self.default_spec: config.warm_sandboxes_per_worker} if config.warm_sandboxes_per_worker else {},
             max_age_s=config.sandbox_max_age_s,
+            start_kernels=config.warm_ipython,
         )
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.arena = shm.SegmentArena(f"rld{os.getuid()}-{os.getppid()}-w{index}g{generation}-")
@@ -221,7 +222,7 @@ class Worker:
         lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
         sb = lease.sandbox
         return {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
-                "workspace": sb.workspace_inside, "ipython": lease.kernel is not None}, {}
+                "workspace": sb.workspace_inside, "ipython": sb.spec.ipython}, {}
 
     async def _sandbox_run(self, args: SandboxRunArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         result = await self.pool.get(args.sandbox_id).run(args.command, timeout_s=args.timeout_s)

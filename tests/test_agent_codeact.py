@@ -218,6 +218,18 @@ async def test_ipython_errors_and_a_dying_kernel_are_observations(short_tmp: Pat
     assert (outcome.tools["ipython"].count, outcome.tools["ipython"].errors) == (5, 2)
 
 
+async def test_a_kernel_that_cannot_start_is_an_observation(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    replies = [call("ipython", code="1 + 1"), call("bash", command="echo still-here"), call("submit")]
+    async with agent_context(short_tmp, "no-start", replies, ipython=True) as ctx:
+        monkeypatch.setattr(type(ctx.lease.sandbox), "python", property(lambda self: "/nonexistent/python3"))
+        outcome = await make_agent("codeact", {}).run(ctx)
+    assert outcome.finish_reason == "completed"
+    first, second = [content for _, content in tool_messages(outcome)[:2]]
+    assert "kernel exited during start-up" in first
+    assert second.startswith("still-here")
+    assert (outcome.tools["ipython"].count, outcome.tools["ipython"].errors) == (1, 1)
+
+
 async def test_ipython_is_not_offered_without_a_kernel(short_tmp: Path) -> None:
     async with agent_context(short_tmp, "no-kernel", [call("ipython", code="1"), call("submit")]) as ctx:
         outcome = await make_agent("codeact", {}).run(ctx)

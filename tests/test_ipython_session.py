@@ -1,7 +1,9 @@
-"""IPython kernels inside sandboxes: execute, errors, interrupt, restart, ipc only."""
+"""IPython kernels inside sandboxes: started on the first cell, execute, errors, interrupt,
+restart, ipc only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -10,7 +12,7 @@ import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
-from rolloutd.native_io.errors import CommandTimeout, KernelDied
+from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 
 
 @pytest.fixture
@@ -18,6 +20,39 @@ async def lease(backend: SandboxBackend) -> AsyncIterator[Lease]:
     lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
     yield lease
     await lease.destroy()
+
+
+async def test_kernel_starts_on_the_first_cell_once(lease: Lease) -> None:
+    assert lease.kernel is None and not (lease.sandbox.run_dir / "kernel.json").exists()
+    before = set(lease.sandbox.process_ids())
+    first, second = await asyncio.gather(lease.ipython("1"), lease.ipython("2"))
+    assert (first.result, second.result) == ("1", "2")
+    kernel = lease.kernel
+    assert kernel is not None and kernel.pid is not None and kernel.restarts == 0
+    assert set(lease.sandbox.process_ids()) > before
+    assert await lease.start_kernel() is kernel
+
+
+async def test_a_kernel_that_cannot_start_fails_its_cell_and_the_next_cell_retries(
+        lease: Lease, monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:
+        m.setattr(type(lease.sandbox), "python", property(lambda self: "/nonexistent/python3"))
+        with pytest.raises(KernelError, match="exited during start-up"):
+            await lease.ipython("1")
+    assert lease.kernel is None
+    assert (await lease.run("echo shell-ok")).output.strip() == "shell-ok"
+    assert (await lease.ipython("6 * 7")).result == "42"
+
+
+async def test_destroy_while_the_kernel_starts_leaves_no_process(backend: SandboxBackend) -> None:
+    lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
+    cell = asyncio.create_task(lease.ipython("1"))
+    while lease.kernel is None or lease.kernel.pid is None:
+        await asyncio.sleep(0.005)
+    await lease.destroy()
+    with pytest.raises(KernelError):
+        await cell
+    assert lease.kernel is None and lease.sandbox.process_ids() == []
 
 
 async def test_execute_stdout_stderr_result(lease: Lease) -> None:
@@ -47,14 +82,14 @@ async def test_timeout_interrupts_and_keeps_state(lease: Lease) -> None:
 
 
 async def test_kernel_ignoring_interrupt_is_restarted(lease: Lease) -> None:
-    assert lease.kernel is not None
+    kernel = await lease.start_kernel()
     await lease.ipython("kept = 1")
     code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: time.sleep(0.01)"
     with pytest.raises(CommandTimeout) as e:
         await lease.ipython(code, timeout_s=0.5)
     assert e.value.details["kernel_restarted"] is True
     r = await lease.ipython("'kept' in dir()")
-    assert r.result == "False" and lease.kernel.restarts == 1
+    assert r.result == "False" and kernel.restarts == 1
 
 
 async def test_dead_kernel_is_reported_and_restarted(lease: Lease) -> None:
@@ -64,11 +99,12 @@ async def test_dead_kernel_is_reported_and_restarted(lease: Lease) -> None:
 
 
 async def test_kernel_uses_ipc_only(lease: Lease) -> None:
-    assert lease.kernel is not None and lease.kernel.pid is not None
+    kernel = await lease.start_kernel()
+    assert kernel.pid is not None
     info = json.loads((lease.sandbox.run_dir / "kernel.json").read_text())
     assert info["transport"] == "ipc"
     assert (lease.sandbox.run_dir / "k-1").is_socket()
-    tree = psutil.Process(lease.kernel.pid)
+    tree = psutil.Process(kernel.pid)
     procs = [tree, *tree.children(recursive=True)]
     for p in procs:
         assert p.net_connections(kind="inet") == [], f"{p.cmdline()} opened a TCP/UDP socket"

@@ -35,6 +35,21 @@ async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:
     assert pool.stats()["ready"] == 0 and pool.stats()["leased"] == 0
 
 
+@pytest.mark.parametrize("start_kernels", [False, True])
+async def test_warm_kernels_only_when_asked(backend: SandboxBackend, start_kernels: bool) -> None:
+    spec = SandboxSpec(ipython=True)
+    pool = WarmPool(backend, warm_specs={spec: 1}, start_kernels=start_kernels)
+    await pool.start()
+    try:
+        await pool.wait_ready(120)
+        lease = await pool.lease(spec)
+        assert (lease.kernel is not None and lease.kernel.alive) is start_kernels
+        assert (await lease.ipython("6 * 7")).result == "42"
+        await pool.release(lease)
+    finally:
+        await pool.close()
+
+
 async def test_unknown_spec_starts_cold(backend: SandboxBackend) -> None:
     pool = WarmPool(backend, warm_specs={})
     await pool.start()

@@ -37,7 +37,7 @@ async def test_lifecycle_and_clean_stop(short_tmp: Path) -> None:
 
 async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:
     backend = ApptainerBackend(short_tmp)
-    lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
+    lease = await open_lease(backend.create(SandboxSpec(ipython=True)), start_kernel=True)
     await lease.run("sleep 300 & (setsid sleep 301 &) ; nohup sleep 302 >/dev/null 2>&1 &")
     seen = identities(lease.sandbox.process_ids())
     assert len(seen) >= 5  # init, shell, kernel, three sleeps

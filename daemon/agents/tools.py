@@ -2,9 +2,10 @@
 
 Every outcome of a call becomes an observation: a malformed call, a non-zero exit, a command or
 cell that timed out (it was interrupted; the shell or kernel may have been restarted), a failed
-edit, and a kernel that died (KernelDied: it was restarted, its variables are gone). Only failures
-of the sandbox itself propagate: SandboxLost (nothing more can run there) and other session
-errors, and OperationTimeout once the trajectory's deadline has passed.
+edit, a kernel that died (KernelDied: it was restarted, its variables are gone) or could not start
+(KernelError: the next cell tries again). Only failures of the sandbox itself propagate:
+SandboxLost (nothing more can run there) and other session errors, and OperationTimeout once the
+trajectory's deadline has passed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import (
     CommandTimeout,
-    KernelDied,
+    KernelError,
     TaskError,
     ToolCallError,
 )
@@ -156,7 +157,7 @@ class ToolBox:
             ok, text = False, format_timeout(e, "command" if call.name != "ipython" else "cell", time.monotonic() - t0)
             self._shell_in_workdir &= not e.details.get("shell_restarted")
             self._kernel_in_workdir &= not e.details.get("kernel_restarted")
-        except KernelDied as e:
+        except KernelError as e:  # died during the cell, or could not start
             ok, text = False, f"[{e}]"
             self._kernel_in_workdir = False
         return Observation(call.name, "tool", clip(text, self.observation_max_chars), ok, time.monotonic() - t0)

@@ -1,9 +1,13 @@
-"""Warm pool: sandboxes started ahead of time, with their shell (and kernel) already answering.
+"""Warm pool: sandboxes started ahead of time, with their shell already answering.
 
-A cold sandbox costs 0.3-20 s (instance start, kernel start-up ~0.7 s); a lease from the pool
-costs one shell probe. Every lease gets a fresh sandbox: on release the sandbox is destroyed in
-the background and a new one is started, so a lease never sees the files or processes of the
-previous one (an overlay mounted in a live instance cannot be reset safely in place).
+A cold sandbox costs 0.3-20 s (instance start); a lease from the pool costs one shell probe.
+A lease's IPython kernel starts on its first cell (~0.7 s then), unless the pool was told to
+start kernels ahead too: a kernel costs its sandbox ~1 s of CPU to start and stays resident,
+and most agents use the shell and the editor far more than IPython, or not at all.
+
+Every lease gets a fresh sandbox: on release the sandbox is destroyed in the background and a
+new one is started, so a lease never sees the files or processes of the previous one (an
+overlay mounted in a live instance cannot be reset safely in place).
 A watchdog destroys any sandbox whose process count passes its limit (fork bombs), which also
 covers root, where the kernel ignores RLIMIT_NPROC.
 """
@@ -37,10 +41,12 @@ class Lease:
 
     sandbox: Sandbox
     shell: PtySession
-    kernel: KernelSession | None
+    kernel: KernelSession | None = None
+    """Started by :meth:`start_kernel` (the first cell calls it); None before."""
     created_at: float = field(default_factory=time.monotonic)
     leased_at: float | None = None
     lost_reason: str | None = None
+    _kernel_start: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def id(self) -> str:
@@ -56,14 +62,30 @@ class Lease:
         return await self._unless_lost(self.shell.run(command, timeout_s=limit))
 
     async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
-        self._check()
-        if self.kernel is None:
-            raise SessionError(
-                f"sandbox {self.id} has no IPython kernel: open it with ipython=True "
-                "(the image needs ipykernel)"
-            )
+        """Run a cell; the kernel's start-up, on the first cell, is not counted in ``timeout_s``."""
+        kernel = await self.start_kernel()
         limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
-        return await self._unless_lost(self.kernel.execute(code, timeout_s=limit))
+        return await self._unless_lost(kernel.execute(code, timeout_s=limit))
+
+    async def start_kernel(self) -> KernelSession:
+        """The lease's IPython kernel, started now if it is not yet. KernelError when it cannot
+        start (the next call tries again); the shell is unaffected."""
+        self._check()
+        if not self.sandbox.spec.ipython:
+            raise SessionError(f"sandbox {self.id} has no IPython kernel: open it with ipython=True "
+                               "(the image needs ipykernel)")
+        async with self._kernel_start:
+            kernel = self.kernel
+            if kernel is None:
+                kernel = KernelSession(self.sandbox, max_output_bytes=self.sandbox.spec.limits.max_output_bytes,
+                                       name=f"kernel-{self.id}")
+                self.kernel = kernel  # a destroy() meanwhile stops it too
+                try:
+                    await self._unless_lost(kernel.start())
+                except BaseException:
+                    self.kernel = None
+                    raise
+            return kernel
 
     async def _unless_lost(self, call: Awaitable[T]) -> T:
         """``call``'s answer, or SandboxLost when the sandbox was lost while it ran (the watchdog
@@ -85,8 +107,9 @@ class Lease:
             await self.kernel.close()
 
 
-async def open_lease(sandbox: Sandbox) -> Lease:
-    """Start ``sandbox`` and its sessions; on any failure nothing is left running."""
+async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
+    """Start ``sandbox`` and its shell, and its kernel too with ``start_kernel`` (when its spec
+    offers IPython; otherwise the first cell starts it). On any failure nothing is left running."""
     await sandbox.start()
     spec = sandbox.spec
     shell = PtySession(
@@ -101,23 +124,19 @@ async def open_lease(sandbox: Sandbox) -> Lease:
         ),
         name=f"shell-{sandbox.id}",
     )
-    kernel: KernelSession | None = None
+    lease = Lease(sandbox, shell)
     try:
         await shell.start()
         if shell.pid is not None:
             sandbox.session_ids.add(shell.pid)
         # The first command of a new shell pays for loading the command path; pay it here.
         await shell.run(":", timeout_s=10.0)
-        if spec.ipython:
-            kernel = KernelSession(sandbox, max_output_bytes=spec.limits.max_output_bytes, name=f"kernel-{sandbox.id}")
-            await kernel.start()
+        if start_kernel and spec.ipython:
+            await lease.start_kernel()
     except BaseException:
-        await sandbox.stop()
-        await shell.close()
-        if kernel is not None:
-            await kernel.close()
+        await lease.destroy()
         raise
-    return Lease(sandbox, shell, kernel)
+    return lease
 
 
 class WarmPool:
@@ -131,8 +150,12 @@ class WarmPool:
         max_age_s: float = 3600.0,
         start_concurrency: int = 2,
         watchdog_interval_s: float = CENSUS_INTERVAL_S,
+        start_kernels: bool = False,
     ) -> None:
+        """``start_kernels``: sandboxes whose spec offers IPython start their kernel before they
+        are leased (see the module's note)."""
         self.backend = backend
+        self.start_kernels = start_kernels
         self.warm_specs = dict(warm_specs or {})
         self.max_age_s = max_age_s
         self.watchdog_interval_s = watchdog_interval_s
@@ -243,7 +266,7 @@ class WarmPool:
             sandbox = self.backend.create(spec)
             sandbox.background = background
             try:
-                lease = await open_lease(sandbox)
+                lease = await open_lease(sandbox, start_kernel=self.start_kernels)
             except Exception as e:
                 self.counters["start_failures"] += 1
                 self.last_start_error = str(e)
