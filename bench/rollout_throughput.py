@@ -11,6 +11,10 @@ The bundled tasks end in about 5 turns, so each turn carries a fifth of the per-
 (shell, IPython, editor) before each task's solve, nearer the length of real SWE rollouts, to
 show what a turn costs once those are spread over more turns. The target is judged on the
 bundled tasks as they are.
+
+Last, ``cpu_floor`` measures in this process what the cheapest possible turn of the 32 level costs
+with the same components (sandbox life, inference call, shell command, observation encoding),
+the lower bound the measured figure is compared with.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
+import numpy as np
 import psutil
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, write_json  # noqa: E402
+from cpu_floor import measure_floor, observation_runs  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import RolloutRequest  # noqa: E402
@@ -67,7 +75,9 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                                agent_config=agent_config) for i in range(total)]
     cpu0, t0 = daemon_cpu_s(client), time.monotonic()
     pending = set(client.submit(requests[:in_flight]))
-    submitted, turns, agent_cpu, rewards = in_flight, 0, [], []
+    submitted, turns, agent_cpu, rewards, model_tokens = in_flight, 0, [], [], 0
+    observations: list[np.ndarray] = []
+    prompt_ids: list[int] = []
     while pending:
         for result in client.as_completed(sorted(pending), timeout_s=900):
             assert result.error is None, result.error
@@ -75,6 +85,9 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 assert t.finish_reason == "completed", (t.finish_reason, t.error_message)
                 turns += t.num_turns
                 rewards.append(t.reward)
+                model_tokens += int(t.response_mask.sum())
+                observations += observation_runs(t.response_ids, t.response_mask)
+                prompt_ids = prompt_ids or t.prompt_ids.tolist()
                 agent_cpu.extend(t.metrics.get("agent_cpu_s_per_turn", []))
             client.release(result)
             pending.discard(result.request_id)
@@ -84,11 +97,14 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
             break
     wall, cpu = time.monotonic() - t0, daemon_cpu_s(client) - cpu0
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
-            "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards)}
+            "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),
+            "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids}
 
 
-def run_levels(plans: dict[str, list[str]], levels: dict[int, int]) -> dict[int, dict[str, float]]:
-    """Each level (in flight: rollouts) on one node daemon and scripted policy server following ``plans``."""
+def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
+               floor_of: int | None = None) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+    """Each level (in flight: rollouts) on one node daemon and scripted policy server following
+    ``plans``; and the CPU floor of a turn of level ``floor_of`` (empty when None)."""
     work = Path(tempfile.mkdtemp(prefix="rld-rt-"))
     (work / "plans.json").write_text(json.dumps({"plans": plans}))
     api_key = secrets.token_hex(16)
@@ -103,7 +119,13 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int]) -> dict[int,
                 for in_flight, total in levels.items():
                     out[in_flight] = {**run_level(client, sorted(plans), in_flight, total, agent_config),
                                       "rollouts": total}
-    return out
+        floor = {}
+        if floor_of is not None:
+            r = out[floor_of]
+            floor = uvloop.run(measure_floor(url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
+                                              model_tokens_per_turn=r["model_tokens_per_turn"],
+                                              turns_per_rollout=r["turns"] / r["rollouts"]))
+    return out, floor
 
 
 def main() -> int:
@@ -114,7 +136,9 @@ def main() -> int:
     rows = []
     for suffix, level_plans, level_set in (("", plans, levels),
                                            ("_probes", with_probes(plans, PROBE_TURNS), {32: levels[32]})):
-        for in_flight, r in run_levels(level_plans, level_set).items():
+        level_results, floor = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
+        results.update(floor)
+        for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
                          r["turns"], r["daemon_cpu_ms_per_turn"], r["agent_cpu_ms_per_turn"], r["mean_reward"]])
             results[f"rollouts_per_s_{in_flight}{suffix}"] = r["rollouts_per_s"]
@@ -125,6 +149,12 @@ def main() -> int:
     print_table("Bundled tasks end to end (scripted reference policy, Apptainer sandboxes)",
                 ["in flight", "rollouts", "rollouts/s", "wall s", "agent turns", "daemon CPU ms/turn",
                  "agent loop CPU ms/turn", "mean reward"], rows)
+    parts = [(k.removeprefix("floor_").removesuffix("_ms"), v) for k, v in results.items()
+             if k.startswith("floor_") and k not in ("floor_ms_per_turn", "floor_sandbox_life_ms")]
+    print_table(f"Least daemon CPU a turn at 32 in flight could cost (see cpu_floor.py; a sandbox's life is "
+                f"{results['floor_sandbox_life_ms']:.2f} ms, over {results['turns_per_rollout_32']:.1f} turns)",
+                ["part", "ms per turn"], [*parts, ("floor", results["floor_ms_per_turn"]),
+                                          ("measured", results["daemon_cpu_ms_per_turn_32"])])
     write_json(args.json, results)
     ok = check_targets([(f"daemon CPU per turn at 32 in flight {results['daemon_cpu_ms_per_turn']:.2f} ms <= 1 ms",
                          results["daemon_cpu_ms_per_turn"] <= 1.0)])

@@ -1,0 +1,81 @@
+"""The least daemon CPU a turn of a rollout can cost with rolloutd's components, measured piece
+by piece in this process on the rollouts just run: what ``rollout_throughput``'s per-turn figure
+is set against.
+
+Counted: the sandbox's life (instance start, shell and its first probe, stop) spread over the
+rollout's turns, and per turn one inference call through the pool (the turn's mean generated
+tokens), one shell command, and encoding the turn's observation (the real observations of the
+rollouts, decoded and encoded again). Everything else a rollout costs is left out (the agent's
+bookkeeping, task set-up and eval, IPython kernels, messages to the trainer, the watchdog), so
+the measured figure can only lie above this one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rolloutd.daemon.agents.tokens import TokenCodec
+from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.pool import ServerPool
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
+from rolloutd.daemon.sandbox.base import SandboxSpec
+from rolloutd.daemon.sandbox.pool import open_lease
+
+
+def observation_runs(response_ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    """Copies of the observation (mask 0) stretches of one trajectory's response (copies: the
+    arrays may live in shared memory the client gives back)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], mask.astype(np.int8), [1]])))
+    return [response_ids[a:b].copy() for a, b in zip(edges[::2], edges[1::2])]
+
+
+async def _cpu_ms(reps: int, call: Callable[[], Awaitable[Any]]) -> float:
+    """Median process CPU of ``call`` over ``reps`` runs after one warm-up (nothing else runs here)."""
+    await call()
+    samples = []
+    for _ in range(reps):
+        t0 = time.process_time()
+        await call()
+        samples.append(1e3 * (time.process_time() - t0))
+    return statistics.median(samples)
+
+
+async def measure_floor(url: str, api_key: str, *, prompt_ids: list[int], observations: list[np.ndarray],
+                        model_tokens_per_turn: float, turns_per_rollout: float, reps: int = 15) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="rld-floor-") as state:
+        backend = ApptainerBackend(Path(state))
+
+        async def sandbox_life() -> None:
+            await (await open_lease(backend.create(SandboxSpec()))).destroy()
+
+        life_ms = await _cpu_ms(max(3, reps // 3), sandbox_life)
+        lease = await open_lease(backend.create(SandboxSpec()))
+        try:
+            command_ms = await _cpu_ms(reps, lambda: lease.run("echo ok"))
+        finally:
+            await lease.destroy()
+
+    params = SamplingParams(max_tokens=max(1, round(model_tokens_per_turn)), ignore_eos=True, seed=0)
+    async with await ServerPool.create(["vllm-generate+" + url], api_key=api_key) as pool:
+        generate_ms = await _cpu_ms(reps, lambda: pool.generate(prompt_ids, params, trajectory_id="floor",
+                                                                timeout_s=60))
+
+    codec = TokenCodec(load_tokenizer())
+    texts = [codec.decode(run.tolist()) for run in observations]
+    t0 = time.process_time()
+    for text in texts:
+        codec.encode(text)
+    encode_ms = 1e3 * (time.process_time() - t0) / max(1, len(texts))
+
+    per_turn = {"sandbox_life_per_turn": life_ms / turns_per_rollout, "inference_call": generate_ms,
+                "shell_command": command_ms, "observation_encode": encode_ms}
+    return {**{f"floor_{k}_ms": v for k, v in per_turn.items()}, "floor_sandbox_life_ms": life_ms,
+            "floor_ms_per_turn": sum(per_turn.values())}
