@@ -23,6 +23,7 @@ import numpy as np
 
 from rolloutd.daemon.agents.tokens import TokenCodec
 from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
@@ -64,9 +65,9 @@ async def measure_floor(url: str, api_key: str, *, prompt_ids: list[int], observ
             await lease.destroy()
 
     params = SamplingParams(max_tokens=max(1, round(model_tokens_per_turn)), ignore_eos=True, seed=0)
+    context = GrowingIds(prompt_ids)  # as the agent sends it: its JSON text made once
     async with await ServerPool.create(["vllm-generate+" + url], api_key=api_key) as pool:
-        generate_ms = await _cpu_ms(reps, lambda: pool.generate(prompt_ids, params, trajectory_id="floor",
-                                                                timeout_s=60))
+        generate_ms = await _cpu_ms(reps, lambda: pool.generate(context, params, trajectory_id="floor", timeout_s=60))
 
     codec = TokenCodec(load_tokenizer())
     texts = [codec.decode(run.tolist()) for run in observations]
