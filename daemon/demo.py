@@ -160,6 +160,11 @@ def run_demo(args: argparse.Namespace) -> int:
                    t.stage_s.get("eval", 0.0), t.queued_s] for t in trajectories])
     print("\nTool calls inside the sandboxes (daemon side)")
     _print_table(["tool", "calls", "mean ms", "max ms"], tool_latency_report(trajectories))
+    starts = [s for t in trajectories if (s := t.metrics.get("kernel_start_s", 0.0)) > 0]
+    if starts:
+        print(f"ipython includes starting the kernel on a rollout's first cell: {len(starts)} starts, mean "
+              f"{1e3 * statistics.fmean(starts):.0f} ms, max {1e3 * max(starts):.0f} ms (node config warm_ipython "
+              "starts them in the warm pool instead)")
     ov = overlap_report(trajectories, wall)
     solved = sum(t.reward == 1.0 for t in trajectories)
     print(f"\n{len(trajectories)} rollouts in {wall:.1f} s ({len(trajectories) / wall:.2f} rollouts/s), "

@@ -27,10 +27,10 @@ async def test_kernel_starts_on_the_first_cell_once(lease: Lease) -> None:
     before = set(lease.sandbox.process_ids())
     first, second = await asyncio.gather(lease.ipython("1"), lease.ipython("2"))
     assert (first.result, second.result) == ("1", "2")
-    kernel = lease.kernel
-    assert kernel is not None and kernel.pid is not None and kernel.restarts == 0
+    kernel, waited = lease.kernel, lease.kernel_start_s
+    assert kernel is not None and kernel.pid is not None and kernel.restarts == 0 and waited > 0
     assert set(lease.sandbox.process_ids()) > before
-    assert await lease.start_kernel() is kernel
+    assert await lease.start_kernel() is kernel and lease.kernel_start_s == waited
 
 
 async def test_a_kernel_that_cannot_start_fails_its_cell_and_the_next_cell_retries(

@@ -180,3 +180,4 @@ async def test_oracle_plan_end_to_end_with_token_fidelity(short_tmp: Path) -> No
             assert reply in text
         assert t.weight_versions and all(v == "0" for v in t.weight_versions)
         assert t.tools["str_replace_editor"].count >= 1 and t.tools["bash"].count >= 1
+        assert "ipython" not in t.tools and t.metrics["kernel_start_s"] == 0.0  # offered, never started

@@ -158,7 +158,8 @@ class RolloutPipeline:
         if finish == "completed":
             self.counters["completed"] += 1
             finish = outcome.finish_reason if outcome is not None else "error"
-        return _trajectory(request_id, index, task, args, outcome, evaluation, finish, error, clock)
+        return _trajectory(request_id, index, task, args, outcome, evaluation, finish, error, clock,
+                           lease.kernel_start_s if lease is not None else 0.0)
 
     @contextlib.asynccontextmanager
     async def _stage(self, clock: StageClock, name: str, priority: int, limit_s: float, grace_s: float = 0.0) -> Any:
@@ -197,10 +198,11 @@ def _sampling(args: RolloutArgs, index: int) -> SamplingParams:
 
 
 def _trajectory(request_id: str, index: int, task: Task, args: RolloutArgs, outcome: AgentOutcome | None,
-                evaluation: EvalResult | None, finish: str, error: RolloutdError | None, clock: StageClock) -> Trajectory:
+                evaluation: EvalResult | None, finish: str, error: RolloutdError | None, clock: StageClock,
+                kernel_start_s: float) -> Trajectory:
     empty_i = np.zeros(0, dtype=np.int32)
     o = outcome
-    metrics: dict[str, Any] = {**(o.metrics if o else {}), "created_at": time.time(),
+    metrics: dict[str, Any] = {**(o.metrics if o else {}), "created_at": time.time(), "kernel_start_s": kernel_start_s,
                                "stage_events": [(s, kind, t) for s, kind, t in clock.events]}
     if evaluation is not None:
         metrics["eval"] = evaluation.details

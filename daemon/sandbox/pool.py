@@ -46,6 +46,8 @@ class Lease:
     created_at: float = field(default_factory=time.monotonic)
     leased_at: float | None = None
     lost_reason: str | None = None
+    kernel_start_s: float = 0.0
+    """Wall time this lease's cells waited for their kernel to start."""
     _kernel_start: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
@@ -80,11 +82,14 @@ class Lease:
                 kernel = KernelSession(self.sandbox, max_output_bytes=self.sandbox.spec.limits.max_output_bytes,
                                        name=f"kernel-{self.id}")
                 self.kernel = kernel  # a destroy() meanwhile stops it too
+                t0 = time.monotonic()
                 try:
                     await self._unless_lost(kernel.start())
                 except BaseException:
                     self.kernel = None
                     raise
+                finally:
+                    self.kernel_start_s += time.monotonic() - t0
             return kernel
 
     async def _unless_lost(self, call: Awaitable[T]) -> T:
