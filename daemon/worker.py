@@ -222,7 +222,7 @@ class Worker:
         lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
         sb = lease.sandbox
         return {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
-                "workspace": sb.workspace_inside, "ipython": sb.spec.ipython}, {}
+                "workspace": sb.workspace_inside, "ipython": lease.offers_ipython}, {}
 
     async def _sandbox_run(self, args: SandboxRunArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         result = await self.pool.get(args.sandbox_id).run(args.command, timeout_s=args.timeout_s)

@@ -10,7 +10,7 @@ import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
-from rolloutd.native_io.errors import SandboxLost
+from rolloutd.native_io.errors import SandboxLost, SessionError
 
 
 async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:
@@ -46,6 +46,24 @@ async def test_warm_kernels_only_when_asked(backend: SandboxBackend, start_kerne
         assert (lease.kernel is not None and lease.kernel.alive) is start_kernels
         assert (await lease.ipython("6 * 7")).result == "42"
         await pool.release(lease)
+    finally:
+        await pool.close()
+
+
+async def test_without_warm_kernels_one_warm_spec_serves_leases_with_and_without_ipython(
+        backend: SandboxBackend) -> None:
+    pool = WarmPool(backend, warm_specs={SandboxSpec(ipython=True): 2})
+    await pool.start()
+    try:
+        await pool.wait_ready(120)
+        with_kernel, without = await pool.lease(SandboxSpec(ipython=True)), await pool.lease(SandboxSpec(ipython=False))
+        assert pool.counters["cold_starts"] == 0
+        assert (await with_kernel.ipython("6 * 7")).result == "42"
+        with pytest.raises(SessionError, match="no IPython kernel"):
+            await without.ipython("1")
+        assert without.kernel is None
+        await pool.release(with_kernel)
+        await pool.release(without)
     finally:
         await pool.close()
 

@@ -45,7 +45,7 @@ class SandboxAgentContext:
 
     @property
     def has_ipython(self) -> bool:
-        return self.lease.sandbox.spec.ipython
+        return self.lease.offers_ipython
 
     def time_left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
@@ -41,6 +41,9 @@ class Lease:
 
     sandbox: Sandbox
     shell: PtySession
+    offers_ipython: bool = False
+    """Whether cells may start a kernel: the leased spec's ``ipython`` (a warm sandbox without a
+    kernel serves either)."""
     kernel: KernelSession | None = None
     """Started by :meth:`start_kernel` (the first cell calls it); None before."""
     created_at: float = field(default_factory=time.monotonic)
@@ -73,7 +76,7 @@ class Lease:
         """The lease's IPython kernel, started now if it is not yet. KernelError when it cannot
         start (the next call tries again); the shell is unaffected."""
         self._check()
-        if not self.sandbox.spec.ipython:
+        if not self.offers_ipython:
             raise SessionError(f"sandbox {self.id} has no IPython kernel: open it with ipython=True "
                                "(the image needs ipykernel)")
         async with self._kernel_start:
@@ -129,7 +132,7 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
         ),
         name=f"shell-{sandbox.id}",
     )
-    lease = Lease(sandbox, shell)
+    lease = Lease(sandbox, shell, offers_ipython=spec.ipython)
     try:
         await shell.start()
         if shell.pid is not None:
@@ -161,7 +164,7 @@ class WarmPool:
         are leased (see the module's note)."""
         self.backend = backend
         self.start_kernels = start_kernels
-        self.warm_specs = dict(warm_specs or {})
+        self.warm_specs = {self._key(s): n for s, n in (warm_specs or {}).items()}
         self.max_age_s = max_age_s
         self.watchdog_interval_s = watchdog_interval_s
         self._ready: dict[SandboxSpec, deque[Lease]] = {s: deque() for s in self.warm_specs}
@@ -219,21 +222,28 @@ class WarmPool:
 
     # --- leasing --------------------------------------------------------------------------
 
+    def _key(self, spec: SandboxSpec) -> SandboxSpec:
+        """The warm spec that serves ``spec``: without kernels started ahead, a sandbox is the same
+        whether its lease offers IPython or not."""
+        return spec if self.start_kernels else replace(spec, ipython=False)
+
     async def lease(self, spec: SandboxSpec) -> Lease:
-        queue = self._ready.get(spec)
+        key = self._key(spec)
+        queue = self._ready.get(key)
         try:
             while queue:
                 lease = queue.popleft()
                 if await self._healthy(lease):
-                    return self._hand_out(lease)
+                    return self._hand_out(lease, spec)
                 self._destroy_later(lease)
             self.counters["cold_starts"] += 1
-            return self._hand_out(await self._start_one(spec))
+            return self._hand_out(await self._start_one(key), spec)
         finally:
             # Replenish only after the lease is out: starting processes forks in this loop.
             self._wakeup.set()
 
-    def _hand_out(self, lease: Lease) -> Lease:
+    def _hand_out(self, lease: Lease, spec: SandboxSpec) -> Lease:
+        lease.offers_ipython = spec.ipython
         lease.leased_at = time.monotonic()
         self._leased[lease.id] = lease
         self.counters["leases"] += 1
