@@ -45,6 +45,7 @@ async def test_warm_kernels_only_when_asked(backend: SandboxBackend, start_kerne
         lease = await pool.lease(spec)
         assert (lease.kernel is not None and lease.kernel.alive) is start_kernels
         assert (await lease.ipython("6 * 7")).result == "42"
+        assert (lease.kernel_start_s > 0) is not start_kernels  # what the first cell waited for
         await pool.release(lease)
     finally:
         await pool.close()

@@ -141,6 +141,7 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
         await shell.run(":", timeout_s=10.0)
         if start_kernel and spec.ipython:
             await lease.start_kernel()
+            lease.kernel_start_s = 0.0  # started ahead: no cell waits for it
     except BaseException:
         await lease.destroy()
         raise
