@@ -42,7 +42,7 @@ class NodeConfig:
     """Ready sandboxes each worker keeps for ``image``."""
     warm_ipython: bool = False
     """Warm sandboxes start their IPython kernel before they are leased; otherwise a lease starts
-    it on its first cell (~0.7 s then), and a rollout that never calls IPython never pays for one."""
+    it on its first cell (0.7-0.9 s then), and a rollout that never calls IPython never pays for one."""
     sandbox_max_age_s: float = 3600.0
     """An idle warm sandbox older than this is replaced."""
     max_message_bytes: int = 256 * 1024 * 1024

@@ -1,7 +1,7 @@
 """Warm pool: sandboxes started ahead of time, with their shell already answering.
 
 A cold sandbox costs 0.3-20 s (instance start); a lease from the pool costs one shell probe.
-A lease's IPython kernel starts on its first cell (~0.7 s then), unless the pool was told to
+A lease's IPython kernel starts on its first cell (0.7-0.9 s then), unless the pool was told to
 start kernels ahead too: a kernel costs its sandbox ~1 s of CPU to start and stays resident,
 and most agents use the shell and the editor far more than IPython, or not at all.
 
