@@ -50,7 +50,8 @@ class Lease:
     leased_at: float | None = None
     lost_reason: str | None = None
     kernel_start_s: float = 0.0
-    """Wall time this lease's cells waited for their kernel to start."""
+    """Wall time this lease's cells waited for their kernel to start (none when it was started
+    ahead)."""
     _kernel_start: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
@@ -68,7 +69,12 @@ class Lease:
 
     async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
         """Run a cell; the kernel's start-up, on the first cell, is not counted in ``timeout_s``."""
-        kernel = await self.start_kernel()
+        waits, t0 = self.kernel is None, time.monotonic()
+        try:
+            kernel = await self.start_kernel()
+        finally:
+            if waits:
+                self.kernel_start_s += time.monotonic() - t0
         limit = timeout_s if timeout_s is not None else self.sandbox.spec.limits.command_timeout_s
         return await self._unless_lost(kernel.execute(code, timeout_s=limit))
 
@@ -85,14 +91,11 @@ class Lease:
                 kernel = KernelSession(self.sandbox, max_output_bytes=self.sandbox.spec.limits.max_output_bytes,
                                        name=f"kernel-{self.id}")
                 self.kernel = kernel  # a destroy() meanwhile stops it too
-                t0 = time.monotonic()
                 try:
                     await self._unless_lost(kernel.start())
                 except BaseException:
                     self.kernel = None
                     raise
-                finally:
-                    self.kernel_start_s += time.monotonic() - t0
             return kernel
 
     async def _unless_lost(self, call: Awaitable[T]) -> T:
@@ -141,7 +144,6 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
         await shell.run(":", timeout_s=10.0)
         if start_kernel and spec.ipython:
             await lease.start_kernel()
-            lease.kernel_start_s = 0.0  # started ahead: no cell waits for it
     except BaseException:
         await lease.destroy()
         raise
