@@ -35,7 +35,8 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, write_json  # noqa: E402
-from cpu_floor import measure_floor, observation_runs  # noqa: E402
+from agent_support import mask_runs  # noqa: E402
+from cpu_floor import measure_floor  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import RolloutRequest  # noqa: E402
@@ -86,7 +87,8 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 turns += t.num_turns
                 rewards.append(t.reward)
                 model_tokens += int(t.response_mask.sum())
-                observations += observation_runs(t.response_ids, t.response_mask)
+                # Copies: the arrays live in shared memory that release() gives back.
+                observations += [t.response_ids[a:b].copy() for a, b in mask_runs(t.response_mask == 0)]
                 prompt_ids = prompt_ids or t.prompt_ids.tolist()
                 agent_cpu.extend(t.metrics.get("agent_cpu_s_per_turn", []))
             client.release(result)
@@ -102,9 +104,9 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
 
 
 def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
-               floor_of: int | None = None) -> tuple[dict[int, dict[str, Any]], dict[str, float]]:
+               floor_of: int | None = None) -> tuple[dict[int, dict[str, Any]], tuple[dict[str, float], float] | None]:
     """Each level (in flight: rollouts) on one node daemon and scripted policy server following
-    ``plans``; and the CPU floor of a turn of level ``floor_of`` (empty when None)."""
+    ``plans``; and the CPU floor of a turn of level ``floor_of`` (see ``measure_floor``)."""
     work = Path(tempfile.mkdtemp(prefix="rld-rt-"))
     (work / "plans.json").write_text(json.dumps({"plans": plans}))
     api_key = secrets.token_hex(16)
@@ -119,7 +121,7 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
                 for in_flight, total in levels.items():
                     out[in_flight] = {**run_level(client, sorted(plans), in_flight, total, agent_config),
                                       "rollouts": total}
-        floor = {}
+        floor = None
         if floor_of is not None:
             r = out[floor_of]
             floor = uvloop.run(measure_floor(url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
@@ -134,10 +136,11 @@ def main() -> int:
     plans = oracle_plans()
     results: dict[str, float] = {}
     rows = []
+    floor: tuple[dict[str, float], float] | None = None
     for suffix, level_plans, level_set in (("", plans, levels),
                                            ("_probes", with_probes(plans, PROBE_TURNS), {32: levels[32]})):
-        level_results, floor = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
-        results.update(floor)
+        level_results, measured_floor = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
+        floor = floor or measured_floor
         for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
                          r["turns"], r["daemon_cpu_ms_per_turn"], r["agent_cpu_ms_per_turn"], r["mean_reward"]])
@@ -149,11 +152,13 @@ def main() -> int:
     print_table("Bundled tasks end to end (scripted reference policy, Apptainer sandboxes)",
                 ["in flight", "rollouts", "rollouts/s", "wall s", "agent turns", "daemon CPU ms/turn",
                  "agent loop CPU ms/turn", "mean reward"], rows)
-    parts = [(k.removeprefix("floor_").removesuffix("_ms"), v) for k, v in results.items()
-             if k.startswith("floor_") and k not in ("floor_ms_per_turn", "floor_sandbox_life_ms")]
+    assert floor is not None
+    parts, life_ms = floor
+    results.update({f"floor_{k}_ms": v for k, v in parts.items()}, floor_sandbox_life_ms=life_ms,
+                   floor_ms_per_turn=sum(parts.values()))
     print_table(f"Least daemon CPU a turn at 32 in flight could cost (see cpu_floor.py; a sandbox's life is "
-                f"{results['floor_sandbox_life_ms']:.2f} ms, over {results['turns_per_rollout_32']:.1f} turns)",
-                ["part", "ms per turn"], [*parts, ("floor", results["floor_ms_per_turn"]),
+                f"{life_ms:.2f} ms, over {results['turns_per_rollout_32']:.1f} turns)",
+                ["part", "ms per turn"], [*parts.items(), ("floor", results["floor_ms_per_turn"]),
                                           ("measured", results["daemon_cpu_ms_per_turn_32"])])
     write_json(args.json, results)
     ok = check_targets([(f"daemon CPU per turn at 32 in flight {results['daemon_cpu_ms_per_turn']:.2f} ms <= 1 ms",
