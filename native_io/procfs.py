@@ -1,8 +1,8 @@
 """Reading /proc: which processes live, in which session and PID namespace.
 
 One pass over /proc serves every sandbox (the watchdog scans once per interval, not once per
-sandbox), and on a node every worker (the supervisor takes it and sends it to them). Zombies count as dead in ``live_processes``: orphans can wait a long time for PID 1 to
-reap them.
+sandbox), and on a node every worker (the supervisor takes it and sends it to them). Zombies count
+as dead in ``live_processes``: orphans can wait a long time for PID 1 to reap them.
 """
 
 from __future__ import annotations
