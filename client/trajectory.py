@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "timeout", "cancelled", "error"})
+FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
+                            "error"})
 
 
 @dataclass

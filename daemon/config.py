@@ -73,6 +73,9 @@ class NodeConfig:
     """Inference servers, e.g. ``http://127.0.0.1:8000`` (protocol detected) or ``sglang+http://...``."""
     inference_api_key: str = ""
     """Bearer token sent to inference servers."""
+    inference_server_wait_s: float = 120.0
+    """How long a model turn waits for an inference server when none is usable (one restarting),
+    within the turn's own deadline, before it fails with NO_INFERENCE_SERVER."""
     inference_weight_version: str = "0"
     """Weight version recorded for servers whose protocol reports none (vLLM); set at run time
     with the ``inference.set_weight_version`` op."""
@@ -107,6 +110,8 @@ class NodeConfig:
             )
         if self.router_slots < 0:
             raise ConfigError(f"router_slots must be >= 0, got {self.router_slots}")
+        if not self.inference_server_wait_s >= 0:  # NaN fails too
+            raise ConfigError(f"inference_server_wait_s must be >= 0 seconds, got {self.inference_server_wait_s}")
         if len(str(self.socket_path)) > SOCKET_PATH_MAX:
             raise ConfigError(
                 f"socket path {self.socket_path} is longer than {SOCKET_PATH_MAX} bytes (Unix socket limit); "

@@ -110,7 +110,8 @@ class Worker:
                                 eval=-(-cfg.eval_concurrency // share), queue=-(-cfg.queue_limit // share))
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
         inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None,
-                                            weight_version=cfg.inference_weight_version)
+                                            weight_version=cfg.inference_weight_version,
+                                            server_wait_s=cfg.inference_server_wait_s)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
                                         cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})

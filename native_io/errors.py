@@ -163,6 +163,13 @@ class InferenceRejected(InferenceError):
     code = "INFERENCE_REJECTED"
 
 
+class ContextLengthExceeded(InferenceRejected):
+    """The prompt plus the tokens asked for do not fit the server's context window
+    (``max_model_len``); the agent ends the trajectory with finish reason ``context_length``."""
+
+    code = "CONTEXT_LENGTH"
+
+
 # --- rollouts --------------------------------------------------------------------------------
 
 

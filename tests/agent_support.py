@@ -100,7 +100,7 @@ async def agent_context(state_dir: Path, instance_id: str, replies: list[str], *
                 shutil.copytree(repo, lease.sandbox.workspace, dirs_exist_ok=True)
             ctx = RecordingContext(
                 lease=lease, pool=pool, tokenizer=tokenizer or reference_tokenizer(),
-                sampling=SamplingParams(max_tokens=1, temperature=1.0, seed=0), trajectory_id=f"t-{instance_id}",
+                sampling=SamplingParams(max_tokens=4096, temperature=1.0, seed=0), trajectory_id=f"t-{instance_id}",
                 instance_id=instance_id, problem_statement=problem, **options)
             ctx.server = server
             yield ctx

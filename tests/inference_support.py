@@ -77,6 +77,7 @@ class BadServer:
             app.router.add_post("/inference/v1/generate", self._vllm_generate)
             app.router.add_post("/generate", self._sglang_generate)
         app.router.add_post("/abort_requests", self._abort_vllm)
+        app.router.add_post("/inference/v1/abort_requests", self._abort_vllm)
         app.router.add_post("/abort_request", self._abort_sglang)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -97,7 +98,9 @@ class BadServer:
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
     async def _abort_vllm(self, request: web.Request) -> web.Response:
-        self.aborted.extend((await request.json())["request_ids"])
+        # Recorded without vLLM's per-route prefix, so tests compare the ids they chose.
+        self.aborted.extend(i.removeprefix("generate-tokens-").removeprefix("cmpl-")
+                            for i in (await request.json())["request_ids"])
         return web.json_response({"status": "aborted", "aborted": 1})
 
     async def _abort_sglang(self, request: web.Request) -> web.Response:

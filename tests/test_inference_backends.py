@@ -62,8 +62,11 @@ def test_backend_generates_with_true_logprobs(kind: str) -> None:
         np.testing.assert_array_equal(first.logprobs, from_grown.logprobs)
         assert max_logprob_error(PROMPT, first) <= 1e-5
         assert first.server == srv.url
-        # Only SGLang's protocol reports the weight version; vLLM leaves it to the pool.
-        assert first.weight_version == ("3" if kind == "sglang" else "")
+        # SGLang and vLLM's generate route (0.32: per-token spans) report the server's version;
+        # vLLM's completions route reports none and leaves it to the pool.
+        assert first.weight_version == ("" if kind == "vllm-completions" else "3")
+        if kind == "vllm-generate":
+            assert [(s.version, s.start, s.end) for s in first.weight_spans] == [("3", 0, len(first.token_ids))]
     run(scenario())
 
 

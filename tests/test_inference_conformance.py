@@ -15,6 +15,7 @@ from inference_support import API_KEY, policy_server, run
 
 from rolloutd.daemon.inference import sglang_http, vllm_http
 from rolloutd.daemon.inference.base import SamplingParams, checked_result
+from rolloutd.native_io.errors import InferenceProtocolError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "inference"
 FIELDS: dict[str, list[str]] = json.loads((FIXTURES / "documented_fields.json").read_text())
@@ -89,7 +90,7 @@ def test_sglang_generate_request_matches_the_documented_shape() -> None:
 
 
 @pytest.mark.parametrize("name,parse", [
-    ("vllm_generate_response", vllm_http.parse_generate_response),
+    ("vllm_generate_response", lambda obj, server: vllm_http.parse_generate_response(obj, server)[:3]),
     ("vllm_completions_response", vllm_http.parse_completions_response),
     ("sglang_generate_response", lambda obj, server: sglang_http.parse_generate_response(obj, server)[:3]),
 ])
@@ -99,6 +100,18 @@ def test_documented_responses_parse_to_ids_and_logprobs(name: str, parse: Any) -
     assert result.token_ids.tolist() == [19, 151645]
     np.testing.assert_allclose(result.logprobs, [-0.02, -0.001], rtol=1e-6)
     assert result.finish_reason == "stop"
+
+
+def test_vllm_weight_versions_become_the_results_spans() -> None:
+    ids, logprobs, finish, spans = vllm_http.parse_generate_response(fixture("vllm_generate_response"), "v")
+    result = checked_result(ids, logprobs, finish, params=SamplingParams(max_tokens=8), server="v", what="x",
+                            weight_spans=spans)
+    assert result.weight_version == "step-3" and [(s.version, s.start, s.end) for s in result.weight_spans] == [
+        ("step-3", 0, 2)]
+    for bad in ([{"version": "a", "start": 0, "end": 1}], [{"version": "a", "start": 1, "end": 2}], [{"v": 1}]):
+        with pytest.raises(InferenceProtocolError, match="weight"):
+            checked_result(ids, logprobs, finish, params=SamplingParams(max_tokens=8), server="v", what="x",
+                           weight_spans=bad)
 
 
 def test_sglang_documented_weight_version_is_read() -> None:

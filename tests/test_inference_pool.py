@@ -70,8 +70,9 @@ def test_new_trajectories_avoid_the_busy_server_and_release_drops_stickiness() -
                 # new trajectories start.
                 pinned = [asyncio.create_task(pool.generate(PROMPT, LONG, trajectory_id=f"p{i}", timeout_s=30))
                           for i in range(6)]
-                await wait_until(lambda: [s["in_flight"] for s in pool.status()["servers"]] == [3, 0])
-                assert slow.engine.running == 3
+                # The server sees a turn once its connection is up, after the pool counted it.
+                await wait_until(lambda: [s["in_flight"] for s in pool.status()["servers"]] == [3, 0]
+                                 and slow.engine.running == 3, what="three turns running on the slow server")
                 fresh = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_tokens=4),
                                                              trajectory_id=f"n{i}", timeout_s=30) for i in range(3)))
                 assert {r.server for r in fresh} == {fast.url}
@@ -234,10 +235,11 @@ def test_pause_resume_and_weight_versions() -> None:
                 await asyncio.sleep(0.1)
                 assert (v.engine.steps, s.engine.steps) == steps and not any(t.done() for t in running)
                 assert [x["dispatched"] for x in pool.status()["servers"]] == dispatched and not held.done()
-                # The trainer updates the weights: SGLang learns the version from its update call,
-                # vLLM's protocol reports none, so the pool records it.
-                async with http.post(s.url + "/update_weight_version", json={"new_version": "step-7"}) as resp:
-                    assert resp.status == 200
+                # The trainer updates the weights and labels them on each server (vLLM 0.32 and
+                # SGLang report the label per call); the pool records it for servers that do not.
+                for url in (v.url, s.url):
+                    async with http.post(url + "/update_weight_version", json={"new_version": "step-7"}) as resp:
+                        assert resp.status == 200
                 pool.set_weight_version("step-7")
                 await pool.resume_all()
                 after = await asyncio.gather(*running, held)

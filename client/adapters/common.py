@@ -88,7 +88,7 @@ def masked_logprobs(trajectory: Trajectory) -> np.ndarray:
 def hit_token_limit(trajectory: Trajectory) -> bool:
     """True when the token budget, not the model, ended the trajectory (trainers' ``truncated``)."""
     last_turn_cut = bool(trajectory.turns) and trajectory.turns[-1].finish_reason == "length"
-    return trajectory.finish_reason == "max_tokens" or last_turn_cut
+    return trajectory.finish_reason in ("max_tokens", "context_length") or last_turn_cut
 
 
 @dataclass

@@ -23,7 +23,7 @@ from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.pty_session import CommandResult
 
 TEMPLATE_CHECKS = ("every_turn", "final", "off")
-AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "timeout", "cancelled"})
+AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled"})
 _AGENT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
@@ -51,8 +51,13 @@ class AgentContext(Protocol):
         """True when the sandbox has an IPython kernel (otherwise do not offer the tool)."""
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
-        """One model turn for ``prompt_ids`` (the whole sequence so far). Raises
-        OperationTimeout once the trajectory's deadline has passed."""
+        """One model turn for ``prompt_ids`` (the whole sequence so far), of at most
+        ``max_tokens`` and at most the request's own ``sampling.max_tokens``. Raises
+        OperationTimeout once the trajectory's deadline has passed, ContextLengthExceeded when
+        the server refuses the sequence as longer than its window."""
+
+    def context_limit(self) -> int | None:
+        """The inference servers' context window (prompt + generated), None when unknown."""
 
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
         """A shell command in the sandbox's persistent shell. Raises CommandTimeout (output so

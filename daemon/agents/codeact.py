@@ -10,6 +10,9 @@ sandbox, append the observation's tokens. How a trajectory ends:
   the evaluation) but its observation is not appended, as no model turn would read it;
 - ``max_tokens``: a turn ran into ``max_context_tokens`` (the whole sequence), or the next
   observation would not fit; the turn's tool call is not run when the turn was cut by the context;
+- ``context_length``: the same, where the server's context window (its ``max_model_len``,
+  smaller than ``max_context_tokens``) is the limit, or the server refused the sequence as too
+  long; every turn so far is kept, and a prompt past the window gives a trajectory of no turns;
 - ``timeout``: the trajectory's deadline passed; ``cancelled``: the server aborted the turn (a
   weight update with pause mode ``abort``); the partial turn's tokens are kept.
 
@@ -25,7 +28,7 @@ import re
 import time
 
 from rolloutd.client.trajectory import ToolStats
-from rolloutd.native_io.errors import OperationTimeout, TaskError
+from rolloutd.native_io.errors import ContextLengthExceeded, OperationTimeout, TaskError
 
 from .base import Agent, AgentContext, AgentOutcome, register_agent
 from .tokens import TokenLedger
@@ -77,7 +80,8 @@ class CodeActAgent(Agent):
             base = [{"role": "system", "content": cfg.system_prompt or SYSTEM_PROMPT},
                     {"role": "user", "content": user_prompt(ctx)}]
             ledger = TokenLedger(ctx.tokenizer, base, [s.schema() for s in toolbox.specs.values()],
-                                 max_total_tokens=cfg.max_context_tokens, template_check=cfg.template_check)
+                                 max_total_tokens=cfg.max_context_tokens, template_check=cfg.template_check,
+                                 window=ctx.context_limit())
         setup_cpu_s = cpu.total_s
         stats: dict[str, ToolStats] = {}
         per_turn: list[float] = []
@@ -109,16 +113,20 @@ class CodeActAgent(Agent):
         cfg = self.config
         room = ledger.room
         if room < 1:
-            return "max_tokens"
+            return ledger.full_reason
         t0 = time.monotonic()
-        result = await ctx.generate(ledger.ids, max_tokens=min(cfg.max_tokens_per_turn, room))
-        waits["generate_s"] += time.monotonic() - t0
+        try:
+            result = await ctx.generate(ledger.ids, max_tokens=min(cfg.max_tokens_per_turn, room))
+        except ContextLengthExceeded:
+            return "context_length"
+        finally:
+            waits["generate_s"] += time.monotonic() - t0
         with cpu:
             text = ledger.add_turn(result)
             if result.finish_reason == "abort":
                 return "cancelled"
             if result.finish_reason == "length" and len(result.token_ids) >= room:
-                return "max_tokens"
+                return ledger.full_reason
             action = toolbox.parse(text)
             if isinstance(action, Observation) and result.finish_reason == "length":
                 action.content = (f"Your reply was cut off after {len(result.token_ids)} tokens "
@@ -136,7 +144,7 @@ class CodeActAgent(Agent):
             return "max_turns"
         with cpu:
             if not ledger.add_message(observation.role, observation.content):
-                return "max_tokens"
+                return ledger.full_reason
         return None
 
 

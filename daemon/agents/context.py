@@ -27,7 +27,8 @@ class SandboxAgentContext:
     pool: ServerPool
     tokenizer: Any
     sampling: SamplingParams
-    """Sampling for every turn; ``max_tokens`` is replaced by what the agent asks per turn."""
+    """Sampling for every turn, as the request gave it; a turn generates at most the smaller of
+    its ``max_tokens`` and what the agent asks (its per-turn cap, the context's room)."""
     trajectory_id: str
     """Keeps the trajectory's turns on one server (its prefix cache)."""
     instance_id: str
@@ -62,7 +63,7 @@ class SandboxAgentContext:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
         limit, by_deadline = self._limit(self.inference_timeout_s, "a model turn")
-        params = dataclasses.replace(self.sampling, max_tokens=max_tokens)
+        params = dataclasses.replace(self.sampling, max_tokens=min(max_tokens, self.sampling.max_tokens))
         try:
             return await self.pool.generate(prompt_ids, params, trajectory_id=self.trajectory_id, timeout_s=limit)
         except InferenceTimeout as e:
@@ -70,6 +71,9 @@ class SandboxAgentContext:
                 raise OperationTimeout(f"trajectory {self.trajectory_id} reached its deadline during a model "
                                        "turn; raise the rollout's timeout to give it more time") from e
             raise
+
+    def context_limit(self) -> int | None:
+        return self.pool.context_limit()
 
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
         base = timeout_s if timeout_s is not None else self.lease.sandbox.spec.limits.command_timeout_s

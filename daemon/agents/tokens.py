@@ -262,13 +262,18 @@ class TokenLedger:
     """
 
     def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None = None, *,
-                 max_total_tokens: int, template_check: str = "final") -> None:
+                 max_total_tokens: int, template_check: str = "final", window: int | None = None) -> None:
+        """``max_total_tokens`` is the agent's own budget (a prompt that does not fit it is a
+        configuration error); ``window`` the server's context window, which may be smaller: a
+        sequence that reaches it ends the trajectory with finish reason ``context_length``."""
         if template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"template_check must be one of {TEMPLATE_CHECKS}, got {template_check!r}")
         self.codec = TokenCodec(tokenizer)
         self.framing = framing_for(tokenizer, base, tools, self.codec)
         self.template_check = template_check
-        self.max_total_tokens = max_total_tokens
+        self.window_binds = window is not None and window < max_total_tokens
+        self.max_total_tokens = min(max_total_tokens, window) if window is not None else max_total_tokens
+        self._budget = max_total_tokens
         self.messages: list[Message] = [dict(m) for m in base]
         self._n_base = len(base)
         self.prompt_ids = np.asarray(self.framing.encode_prompt(self.codec), dtype=np.int32)
@@ -289,7 +294,7 @@ class TokenLedger:
         if template_check == "every_turn" and self.codec.decode(self.ids) != self.framing.prompt_text:
             self._diverge(0, "the prompt's tokens do not decode to the rendered prompt (the tokenizer does not "
                              "round-trip it)")
-        if self._n_prompt >= max_total_tokens:
+        if self._n_prompt >= self._budget:
             raise ConfigError(f"the prompt alone is {self._n_prompt} tokens, not below max_context_tokens="
                               f"{max_total_tokens}; raise max_context_tokens")
 
@@ -299,8 +304,15 @@ class TokenLedger:
 
     @property
     def room(self) -> int:
-        """Tokens that may still be added before max_total_tokens."""
+        """Tokens that may still be added before max_total_tokens (negative when the prompt
+        alone is past the server's window)."""
         return self.max_total_tokens - len(self.ids)
+
+    @property
+    def full_reason(self) -> str:
+        """The finish reason of a trajectory that ran out of room: ``context_length`` where the
+        server's window is the limit, else ``max_tokens`` (the agent's budget)."""
+        return "context_length" if self.window_binds else "max_tokens"
 
     @property
     def eot_id(self) -> int:

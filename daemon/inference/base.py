@@ -21,6 +21,18 @@ from rolloutd.native_io.errors import ConfigError, InferenceProtocolError
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 PAUSE_MODES = frozenset({"keep", "abort", "wait"})
+HEALTH_STATES = ("ok", "slow", "down")
+"""What a health probe found: answered 200; did not answer in time (busy, not gone); refused,
+failed or answered an error."""
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Generated tokens ``[start, end)`` of one call were sampled under weights ``version``."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,10 @@ class GenerateResult:
     http_s: float = 0.0
     """Seconds from sending the request to having the whole answer, as the client saw it; the
     rest of a call's time is the client's own overhead."""
+    weight_spans: tuple[VersionSpan, ...] = ()
+    """The server's own per-token weight versions (vLLM >= 0.32 reports them), covering every
+    generated id in order; empty when the protocol reports none. ``weight_version`` is then the
+    last span's version (the newest weights that produced a token of this call)."""
 
 
 class InferenceBackend(ABC):
@@ -97,6 +113,8 @@ class InferenceBackend(ABC):
     """Stable name of the server, e.g. ``http://127.0.0.1:8000``."""
     kind: str
     """``vllm-generate``, ``vllm-completions``, ``sglang`` or ``vllm-inprocess``."""
+    max_model_len: int | None = None
+    """The server's context window (prompt + generated tokens) where it reports one."""
 
     @abstractmethod
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, params: SamplingParams, *,
@@ -114,6 +132,11 @@ class InferenceBackend(ABC):
     async def health(self) -> bool:
         """True when the server answers its health probe in time."""
 
+    async def probe(self) -> str:
+        """One of :data:`HEALTH_STATES`; backends that can tell a slow server from a gone one
+        say ``slow`` for the first."""
+        return "ok" if await self.health() else "down"
+
     @abstractmethod
     async def pause(self, mode: str = "keep") -> None:
         """Stop generating. ``keep`` freezes in-flight requests until :meth:`resume`; ``abort``
@@ -128,7 +151,7 @@ class InferenceBackend(ABC):
 
 def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params: SamplingParams,
                    server: str, what: str, weight_version: str = "", request_id: str = "",
-                   http_s: float = 0.0) -> GenerateResult:
+                   http_s: float = 0.0, weight_spans: Any = None) -> GenerateResult:
     """Validate a server's answer and convert it to arrays; ``what`` names the response field
     for the error message (e.g. ``choices[0].token_ids``)."""
     if not isinstance(token_ids, list):
@@ -163,6 +186,34 @@ def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params:
     if lps.size and not (np.isfinite(lps).all() and lps.max() <= 1e-6):
         raise InferenceProtocolError(f"{server} returned log-probabilities that are not finite "
                                      f"values <= 0 ({what})")
+    spans = checked_spans(weight_spans, len(token_ids), server=server) if weight_spans is not None else ()
+    if spans:
+        weight_version = spans[-1].version
     return GenerateResult(token_ids=ids.astype(np.int32), logprobs=lps.astype(np.float32),
                           finish_reason=finish_reason, weight_version=weight_version,
-                          server=server, request_id=request_id, http_s=http_s)
+                          server=server, request_id=request_id, http_s=http_s, weight_spans=spans)
+
+
+def checked_spans(raw: Any, n_tokens: int, *, server: str) -> tuple[VersionSpan, ...]:
+    """Per-token weight-version spans as a server reported them (dicts or objects with
+    ``version``, ``start``, ``end``), checked to cover ``[0, n_tokens)`` in order without a gap."""
+    spans: list[VersionSpan] = []
+    try:
+        for item in raw:
+            get = item.get if isinstance(item, dict) else lambda k, _i=item: getattr(_i, k, None)
+            version, start, end = get("version"), get("start"), get("end")
+            if not isinstance(version, str) or not isinstance(start, int) or not isinstance(end, int):
+                raise TypeError(f"span {item!r} is not (version: str, start: int, end: int)")
+            spans.append(VersionSpan(version, start, end))
+    except TypeError as e:
+        raise InferenceProtocolError(f"{server} reported weight versions that are not spans: {e}") from e
+    position = 0
+    for span in spans:
+        if span.start != position or span.end < span.start:
+            raise InferenceProtocolError(f"{server} reported weight-version spans {spans} that do not cover "
+                                         f"the {n_tokens} generated tokens in order")
+        position = span.end
+    if spans and position != n_tokens:
+        raise InferenceProtocolError(f"{server} reported weight-version spans up to token {position} for "
+                                     f"{n_tokens} generated tokens")
+    return tuple(spans)

@@ -15,6 +15,7 @@ by a server that has the route and 404 by one that does not.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -24,6 +25,8 @@ from rolloutd.daemon.inference.base import InferenceBackend
 from rolloutd.daemon.inference.sglang_http import SGLangHTTPBackend
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, VLLMHTTPBackend
 from rolloutd.native_io.errors import ConfigError, InferenceError, InferenceProtocolError, InferenceRejected
+
+logger = logging.getLogger(__name__)
 
 _HTTP_SPEC = re.compile(r"^(?:(vllm|vllm-generate|vllm-completions|sglang)\+)?(https?://[^\s]+)$")
 SPEC_FORMS = ("vllm+http://HOST:PORT", "vllm-generate+http://...", "vllm-completions+http://...",
@@ -57,7 +60,16 @@ async def make_backend(spec: str, *, api_key: str | None = None, detect_timeout_
                                      vllm_only=kind == "vllm")
     if kind == "sglang":
         return SGLangHTTPBackend(target, api_key=api_key, **http_options)
-    return VLLMHTTPBackend(target, route=kind.removeprefix("vllm-"), api_key=api_key, **http_options)
+    backend = VLLMHTTPBackend(target, route=kind.removeprefix("vllm-"), api_key=api_key, **http_options)
+    try:
+        await backend.discover()
+    except InferenceRejected:
+        await backend.close()
+        raise
+    except InferenceError as e:
+        # A server without /v1/models still generates; agents then budget by their own config.
+        logger.warning("%s does not report its context window (%s); agents use their max_context_tokens", target, e)
+    return backend
 
 
 async def detect_protocol(url: str, *, api_key: str | None = None, timeout_s: float = 10.0,

@@ -4,6 +4,8 @@ that names the server and says what went wrong.
 
 How failures map (the pool retries the InferenceError ones on another server):
 - connection refused or reset, HTTP 5xx, 408, 429  -> InferenceError
+  (a reused keep-alive connection that the server closed, as after its restart, is first retried
+  once on a fresh connection: that is our stale socket, not the server failing)
 - an answer that is not the documented JSON (truncated, missing fields), HTTP 404 -> InferenceProtocolError
 - HTTP 401/403 and other 4xx (the request itself is wrong) -> InferenceRejected
 - no whole answer before the deadline                  -> InferenceTimeout (request aborted on the server)
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from abc import abstractmethod
 from typing import Any
@@ -25,6 +28,7 @@ import numpy as np
 from rolloutd.daemon.inference.base import InferenceBackend
 from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import (
+    ContextLengthExceeded,
     InferenceError,
     InferenceProtocolError,
     InferenceRejected,
@@ -34,6 +38,11 @@ from rolloutd.native_io.errors import (
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_4XX = frozenset({408, 429})
+# vLLM's words for a prompt past max_model_len (both routes), SGLang's and the reference policy's.
+_CONTEXT_LENGTH = re.compile(r"maximum (?:context|model) length|max_model_len|context length|too long", re.I)
+# What a pooled connection that the server already closed raises on reuse (aiohttp 3.9-3.14),
+# less their subclass ClientConnectorError (a new connection refused): that is the server gone.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class HTTPBackend(InferenceBackend):
@@ -50,6 +59,8 @@ class HTTPBackend(InferenceBackend):
         self._health_timeout_s = health_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._calls: dict[aiohttp.ClientSession, int] = {}
+        """Generation calls in flight per session (a retired session closes when it has none)."""
         self._background: set[asyncio.Task[None]] = set()
 
     def _client(self) -> aiohttp.ClientSession:
@@ -71,9 +82,16 @@ class HTTPBackend(InferenceBackend):
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._client().post(url, data=body, headers=self._headers) as resp:
-                    raw = await resp.read()
-                    status = resp.status
+                session = self._client()
+                try:
+                    status, raw = await self._post(session, url, body)
+                except _STALE_CONNECTION as e:
+                    if isinstance(e, aiohttp.ClientConnectorError):
+                        raise
+                    logger.info("%s closed a pooled connection (%s: %s); sending %s again on a fresh one",
+                                self.address, type(e).__name__, e, request_id)
+                    self._retire(session)
+                    status, raw = await self._post(self._client(), url, body)
         except aiohttp.ClientError as e:
             raise InferenceError(f"{self.address}: {path} failed ({type(e).__name__}: {e}); "
                                  "the server may be down or restarting") from e
@@ -88,6 +106,33 @@ class HTTPBackend(InferenceBackend):
         http_s = time.perf_counter() - started
         self._check_status(status, raw, path)
         return self._parse(raw, path), http_s
+
+    async def _post(self, session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
+        self._calls[session] = self._calls.get(session, 0) + 1
+        try:
+            async with session.post(url, data=body, headers=self._headers) as resp:
+                return resp.status, await resp.read()
+        finally:
+            self._calls[session] -= 1
+            if session is not self._session and not self._calls[session]:
+                del self._calls[session]
+                self._close_in_background(session)
+
+    def _retire(self, session: aiohttp.ClientSession) -> None:
+        """Start a new session in place of ``session``: its idle connections all went stale
+        together (the server restarted), and trying them one by one would fail each call once
+        more. It closes once its last call ends (closing it now would break calls still fine)."""
+        if session is not self._session:
+            return  # another call already retired it
+        self._session = None
+        if not self._calls.get(session):
+            self._calls.pop(session, None)
+            self._close_in_background(session)
+
+    def _close_in_background(self, session: aiohttp.ClientSession) -> None:
+        task = asyncio.get_running_loop().create_task(session.close())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
         try:
@@ -110,6 +155,9 @@ class HTTPBackend(InferenceBackend):
         if status == 404:
             raise InferenceProtocolError(f"{self.address} has no route {path} (HTTP 404); "
                                          f"{self._missing_route_hint(path)}")
+        if status == 400 and _CONTEXT_LENGTH.search(detail):
+            raise ContextLengthExceeded(f"{self.address} refused a prompt that does not fit its context window "
+                                        f"on {path}: {detail}")
         if 400 <= status < 500 and status not in _RETRYABLE_4XX:
             raise InferenceRejected(f"{self.address} rejected the request to {path} (HTTP {status}): {detail}")
         raise InferenceError(f"{self.address} failed on {path} with HTTP {status}: {detail}")
@@ -149,13 +197,20 @@ class HTTPBackend(InferenceBackend):
         return self._parse(raw, path) if raw.strip() else {}
 
     async def health(self) -> bool:
+        return await self.probe() == "ok"
+
+    async def probe(self) -> str:
+        """``slow`` when ``/health`` gives no answer within ``health_timeout_s``: a server busy
+        generating answers late, and that alone must not take it out of the pool."""
         try:
             async with asyncio.timeout(self._health_timeout_s):
                 async with self._client().get(self.address + "/health", headers=self._headers) as resp:
                     await resp.read()
-                    return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+                    return "ok" if resp.status == 200 else "down"
+        except TimeoutError:
+            return "slow"
+        except (aiohttp.ClientError, OSError):
+            return "down"
 
     async def close(self) -> None:
         if self._background:

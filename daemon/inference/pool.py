@@ -8,7 +8,17 @@ failing servers out and puts recovered ones back.
 Failures: when a server fails a call (connection lost, HTTP 5xx, an answer that breaks the
 protocol) it is taken out and the WHOLE turn starts again on another server: partial output is
 never spliced, so the tokens returned are always one server's uninterrupted sample. A deadline
-covers all attempts; cancelling a call aborts it on the server.
+covers all attempts; cancelling a call aborts it on the server. When no server is left, a turn
+waits up to ``server_wait_s`` for one to come back (a restarting vLLM takes a minute), while the
+servers that are out are probed with a growing interval; past that it fails with
+NoInferenceServer naming each server's last error.
+
+Health: a probe that is refused or answers an error takes a server out at once; one that only
+answers late (``slow``: a server busy generating) takes it out only after
+``slow_probes_to_remove`` slow probes in a row with no call completing there meanwhile.
+
+Context: :meth:`ServerPool.context_limit` is the smallest ``max_model_len`` the servers report,
+so an agent can size its turns to what every server accepts.
 
 Weight updates: :meth:`pause_all` pauses every server (vLLM ``/pause?mode=keep``, SGLang
 ``/pause_generation``) and holds new calls in the pool; :meth:`resume_all` resumes them. Every
@@ -52,6 +62,8 @@ class _Server:
     completed: int = 0
     failures: int = 0
     last_error: str = ""
+    slow_probes: int = 0
+    """Slow health probes in a row since a call last completed here."""
     weight_version: str = ""
     calls: dict[str, asyncio.Task[object]] = field(default_factory=dict)
     """Request id -> the task waiting on it (cancelled to move the turn when the server goes)."""
@@ -68,12 +80,21 @@ class _Server:
 
 class ServerPool:
     def __init__(self, *, api_key: str | None = None, max_attempts: int = 3, health_interval_s: float = 5.0,
-                 weight_version: str = "0", max_sticky: int = 100_000,
-                 http_options: dict[str, Any] | None = None) -> None:
+                 weight_version: str = "0", max_sticky: int = 100_000, server_wait_s: float = 0.0,
+                 slow_probes_to_remove: int = 3, http_options: dict[str, Any] | None = None) -> None:
         """``health_interval_s`` 0 turns the background health check off (:meth:`check_health`
-        still works); ``max_sticky`` bounds how many trajectories the pool remembers."""
+        still works); ``max_sticky`` bounds how many trajectories the pool remembers;
+        ``server_wait_s`` is how long a turn waits for a server when none is usable."""
         if max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {max_attempts}")
+        if not server_wait_s >= 0 or slow_probes_to_remove < 1:
+            raise ConfigError(f"server_wait_s must be >= 0 and slow_probes_to_remove >= 1, got "
+                              f"{server_wait_s!r} and {slow_probes_to_remove!r}")
+        self._server_wait_s = server_wait_s
+        self._slow_probes_to_remove = slow_probes_to_remove
+        self._usable_again = asyncio.Event()
+        """Set whenever a server becomes usable (added, or back from a failure)."""
+        self._recovery_task: asyncio.Task[None] | None = None
         self._api_key = api_key
         self._max_attempts = max_attempts
         self._health_interval_s = health_interval_s
@@ -117,6 +138,7 @@ class ServerPool:
         server = _Server(backend=backend)
         server.idle.set()
         self._servers[backend.address] = server
+        self._usable_again.set()
         if self._health_task is None and self._health_interval_s > 0:
             self._health_task = asyncio.create_task(self._health_loop(), name="inference-health")
         logger.info("added %s server %s (%d in the pool)", backend.kind, backend.address, len(self._servers))
@@ -191,6 +213,8 @@ class ServerPool:
         while len(failures) < self._max_attempts:
             server = self._choose(trajectory_id)
             if server is None:
+                server = await self._wait_for_server(trajectory_id, deadline)
+            if server is None:
                 break
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -230,6 +254,7 @@ class ServerPool:
             else:
                 result.weight_version = self._weight_version
             server.completed += 1
+            server.slow_probes = 0
             return result
         if failures:
             last = failures[-1]
@@ -240,6 +265,35 @@ class ServerPool:
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
                                 f"(pool: {self._describe()}); add servers or wait for the health check")
+
+    async def _wait_for_server(self, trajectory_id: str, deadline: float) -> _Server | None:
+        """A usable server once one comes back, within ``server_wait_s`` and the deadline."""
+        if self._server_wait_s <= 0 or not self._servers:
+            return None
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + self._server_wait_s)
+        if self._recovery_task is None or self._recovery_task.done():
+            self._recovery_task = loop.create_task(self._probe_until_usable(until), name="inference-recovery")
+        while loop.time() < until:
+            self._usable_again.clear()
+            server = self._choose(trajectory_id)
+            if server is not None:
+                return server
+            try:
+                async with asyncio.timeout_at(until):
+                    await self._usable_again.wait()
+            except TimeoutError:
+                break
+        return self._choose(trajectory_id)
+
+    async def _probe_until_usable(self, until: float) -> None:
+        """Probe the servers that are out, 0.25 s apart at first, doubling up to 5 s."""
+        loop = asyncio.get_running_loop()
+        interval = 0.25
+        while loop.time() < until and not any(s.usable for s in self._servers.values()):
+            await asyncio.sleep(min(interval, max(0.0, until - loop.time())))
+            await self.check_health()
+            interval = min(interval * 2, 5.0)
 
     async def _wait_resumed(self, deadline: float, base_id: str) -> None:
         try:
@@ -297,17 +351,35 @@ class ServerPool:
                                  + "; ".join(f"{s.address}: {e}" for s, e in errors))
 
     async def check_health(self) -> dict[str, bool]:
-        """Probe every server once: failing ones go out, recovered ones come back."""
+        """Probe every server once: failing ones go out, recovered ones come back, slow ones
+        stay until they have been slow ``slow_probes_to_remove`` times in a row."""
         servers = [s for s in self._servers.values() if not s.removed]
-        results = await asyncio.gather(*(s.backend.health() for s in servers))
-        for server, ok in zip(servers, results):
+        results = await asyncio.gather(*(s.backend.probe() for s in servers))
+        for server, state in zip(servers, results):
+            if state == "slow" and server.healthy:
+                server.slow_probes += 1
+                if server.slow_probes < self._slow_probes_to_remove:
+                    logger.info("%s answered its health check late (%d in a row); kept in the pool",
+                                server.address, server.slow_probes)
+                    continue
+            ok = state == "ok"
+            if ok:
+                server.slow_probes = 0
             if ok and not server.healthy:
                 logger.info("%s passed its health check; back in the pool", server.address)
+                self._usable_again.set()
             elif not ok and server.healthy:
-                server.last_error = "health check failed"
-                logger.warning("%s failed its health check; taken out of the pool", server.address)
+                server.last_error = "health check failed" if state == "down" else \
+                    f"health check answered late {server.slow_probes} times in a row"
+                logger.warning("%s failed its health check (%s); taken out of the pool", server.address, state)
             server.healthy = ok
         return {s.address: s.healthy for s in servers}
+
+    def context_limit(self) -> int | None:
+        """The smallest context window a usable server reports; None when none reports one."""
+        limits = [s.backend.max_model_len for s in self._servers.values()
+                  if s.usable and s.backend.max_model_len]
+        return min(limits) if limits else None
 
     async def _health_loop(self) -> None:
         while True:
@@ -327,10 +399,12 @@ class ServerPool:
         }
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
+        for name in ("_health_task", "_recovery_task"):
+            task = getattr(self, name)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                setattr(self, name, None)
         servers = list(self._servers.values())
         self._servers.clear()
         await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)

@@ -8,11 +8,16 @@ Two routes, chosen per server (:mod:`rolloutd.daemon.inference.factory` detects 
   ``logprobs: 0``, ``skip_special_tokens: false``, ``include_stop_str_in_output: true``; ids from
   ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.token_logprobs``.
 
-vLLM reports no weight version in either answer: the pool records the version it was told.
-Pause and resume use the RL control routes (``/pause?mode=``, ``/resume``, ``/abort_requests``),
-which vLLM serves only with ``VLLM_SERVER_DEV_MODE=1``. A cancelled or timed-out call closes its
-connection, which makes vLLM drop the request; ``/abort_requests`` is sent as well, best effort
-(vLLM may track the request under a prefixed internal id).
+Weight versions: vLLM 0.32's generate route reports per-token ``choices[0].weight_versions``
+spans, which each result carries; the completions route reports none, and the pool records the
+version it was told. The server's ``max_model_len`` is read from ``/v1/models`` when the backend
+is made (:meth:`VLLMHTTPBackend.discover`), so agents can budget their context.
+
+Pause and resume use the RL control routes (``/pause?mode=``, ``/resume``), which vLLM serves only
+with ``VLLM_SERVER_DEV_MODE=1``. A cancelled or timed-out call closes its connection, which makes
+vLLM drop the request, and an abort is sent as well, under the id vLLM tracks the request by:
+``generate-tokens-<id>`` at ``/inference/v1/abort_requests`` for the generate route (0.32), and
+``cmpl-<id>`` at the dev-mode ``/abort_requests`` for completions.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from rolloutd.daemon.inference.http_backend import HTTPBackend, prompt_list
 from rolloutd.native_io.errors import ConfigError, InferenceProtocolError
 
 GENERATE_PATH = "/inference/v1/generate"
+GENERATE_ABORT_PATH = "/inference/v1/abort_requests"
+# The prefixes vLLM's serving layers put before a client's request id (serving.py of each route).
+INTERNAL_ID_PREFIX = {"generate": "generate-tokens-", "completions": "cmpl-"}
 COMPLETIONS_PATH = "/v1/completions"
 ROUTES = {"generate": GENERATE_PATH, "completions": COMPLETIONS_PATH}
 
@@ -64,23 +72,29 @@ def _first_choice(obj: dict[str, Any], server: str) -> dict[str, Any]:
     return choices[0]
 
 
-def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any]:
-    """(ids, logprobs, finish_reason) from a ``/inference/v1/generate`` answer, unchecked."""
+def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any, Any]:
+    """(ids, logprobs, finish_reason, weight_versions) from a ``/inference/v1/generate`` answer,
+    unchecked."""
     choice = _first_choice(obj, server)
     ids = choice.get("token_ids")
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, dict) else None
+    versions = choice.get("weight_versions")
     if not isinstance(content, list):
-        return ids, None, choice.get("finish_reason")
+        return ids, None, choice.get("finish_reason"), versions
     logprobs = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
     if isinstance(ids, list) and len(ids) == len(content):
         for k, (entry, tok) in enumerate(zip(content, ids)):
-            name = entry.get("token") if isinstance(entry, dict) else None
-            # vLLM names each logprob's token "token_id:N" when it does not detokenize.
-            if isinstance(name, str) and name.startswith("token_id:") and name != f"token_id:{tok}":
-                raise InferenceProtocolError(f"{server}: log-probability {k} is for {name} but token_ids[{k}] "
-                                             f"is {tok}; the answer's ids and log-probabilities disagree")
-    return ids, logprobs, choice.get("finish_reason")
+            if not isinstance(entry, dict):
+                continue
+            # 0.32 gives each entry its integer "token_id"; older builds named it "token_id:N".
+            named, name = entry.get("token_id"), entry.get("token")
+            if (isinstance(named, int) and named != tok) or (
+                    isinstance(name, str) and name.startswith("token_id:") and name != f"token_id:{tok}"):
+                raise InferenceProtocolError(f"{server}: log-probability {k} is for token {named or name} but "
+                                             f"token_ids[{k}] is {tok}; the answer's ids and log-probabilities "
+                                             "disagree")
+    return ids, logprobs, choice.get("finish_reason"), versions
 
 
 def parse_completions_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any]:
@@ -111,17 +125,28 @@ class VLLMHTTPBackend(HTTPBackend):
             payload = completions_request(prompt, params, request_id, self._model)
         obj, http_s = await self._generate_json(self._path, payload, timeout_s=timeout_s, request_id=request_id,
                                                 prompt_key="token_ids" if self.route == "generate" else "prompt")
+        versions = None
         if self.route == "generate":
-            ids, logprobs, finish = parse_generate_response(obj, self.address)
+            ids, logprobs, finish, versions = parse_generate_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.content[*].logprob"
         else:
             ids, logprobs, finish = parse_completions_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.token_logprobs"
         return checked_result(ids, logprobs, finish, params=params, server=self.address, what=what,
-                              request_id=request_id, http_s=http_s)
+                              request_id=request_id, http_s=http_s, weight_spans=versions)
+
+    async def discover(self) -> None:
+        """Read the server's context window from ``/v1/models`` (None where it gives none)."""
+        obj = await self._control("GET", "/v1/models")
+        models = obj.get("data")
+        entry = next((m for m in models if not self._model or m.get("id") == self._model), None) \
+            if isinstance(models, list) else None
+        limit = entry.get("max_model_len") if isinstance(entry, dict) else None
+        self.max_model_len = limit if isinstance(limit, int) and limit > 0 else None
 
     async def abort(self, request_id: str) -> None:
-        await self._control("POST", "/abort_requests", {"request_ids": [request_id]})
+        path = GENERATE_ABORT_PATH if self.route == "generate" else "/abort_requests"
+        await self._control("POST", path, {"request_ids": [INTERNAL_ID_PREFIX[self.route] + request_id]})
 
     async def pause(self, mode: str = "keep") -> None:
         if mode not in PAUSE_MODES:
@@ -134,6 +159,6 @@ class VLLMHTTPBackend(HTTPBackend):
     def _missing_route_hint(self, path: str) -> str:
         if path == GENERATE_PATH:
             return "this vLLM predates /inference/v1/generate: use the spec vllm-completions+http://..."
-        if path in ("/pause", "/resume", "/abort_requests"):
+        if path in ("/pause", "/resume", "/abort_requests", GENERATE_ABORT_PATH):
             return "vLLM serves its RL control routes only with VLLM_SERVER_DEV_MODE=1 (and /pause since ~0.12)"
         return "is this a vLLM server?"

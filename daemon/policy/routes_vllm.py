@@ -45,16 +45,21 @@ async def generate_tokens(request: web.Request) -> web.Response:
         raise BadRequest("sampling_params must be a JSON object")
     params = sampling_params(sp, max_key="max_tokens", default_max=VLLM_DEFAULT_MAX_TOKENS, seed_key="seed")
     with_logprobs = only_sampled_logprob(sp.get("logprobs"), "sampling_params.logprobs")
-    rid = str(body.get("request_id") or f"generate-tokens-{uuid.uuid4().hex}")
+    # vLLM 0.32 tracks the request (and aborts it) under this prefixed id.
+    rid = f"generate-tokens-{body.get('request_id') or uuid.uuid4().hex}"
     out = await state.run(prompt, params, rid)
-    logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
+    logprobs = {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
                             for t, lp in zip(out.token_ids, out.logprobs)]} if with_logprobs else None
     return web.json_response({
         "request_id": rid,
         "model": state.model_name,
         "created": int(time.time()),
-        "choices": [{"index": 0, "finish_reason": out.finish_reason, "token_ids": out.token_ids,
-                     "logprobs": logprobs}],
+        "output_mode": "tokens",
+        "choices": [{"index": 0, "finish_reason": out.finish_reason, "stop_reason": None,
+                     "token_ids": out.token_ids, "logprobs": logprobs,
+                     # One engine step holds one version here, so a call's tokens share it.
+                     "weight_versions": [{"version": out.weight_version, "start": 0,
+                                          "end": len(out.token_ids)}] if out.token_ids else []}],
         "usage": _usage(out),
         "prompt_logprobs": None,
         "kv_transfer_params": None,
@@ -83,7 +88,7 @@ async def completions(request: web.Request) -> web.Response:
     prompt = _completion_prompt(state, body.get("prompt"))
     params = sampling_params(body, max_key="max_tokens", default_max=VLLM_DEFAULT_MAX_TOKENS, seed_key="seed")
     with_logprobs = only_sampled_logprob(body.get("logprobs"), "logprobs")
-    rid = str(body.get("request_id") or request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+    rid = f"cmpl-{body.get('request_id') or request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
     out = await state.run(prompt, params, rid)
 
     skip_special = body.get("skip_special_tokens", True) is not False
@@ -113,7 +118,7 @@ async def completions(request: web.Request) -> web.Response:
     if body.get("return_token_ids"):
         choice["prompt_token_ids"] = prompt
         choice["token_ids"] = out.token_ids
-    return web.json_response({"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+    return web.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
                               "model": state.model_name, "choices": [choice], "usage": _usage(out)})
 
 
@@ -158,3 +163,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/resume", resume)
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/abort_requests", abort_requests)
+    app.router.add_post("/inference/v1/abort_requests", abort_requests)

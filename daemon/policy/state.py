@@ -32,7 +32,7 @@ class PolicyState:
     async def run(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> EngineOutput:
         if len(prompt_ids) + params.max_tokens > MAX_MODEL_LEN:
             raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context of {MAX_MODEL_LEN} tokens")
+                             f"exceeds the model's maximum context length of {MAX_MODEL_LEN} tokens")
         forced = self.scripted.forced_tokens(prompt_ids) if self.scripted is not None else None
         return await self.engine.generate(EngineRequest(prompt_ids=prompt_ids, params=params,
                                                         request_id=request_id, forced=forced))
