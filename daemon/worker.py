@@ -252,7 +252,7 @@ class Worker:
         elif op == "inference.remove_server":
             await pool.remove_server(args.address)
         elif op == "inference.set_weight_version":
-            pool.set_weight_version(args.version)
+            await pool.set_weight_version(args.version)
         elif op == "inference.pause":
             await pool.pause_all(args.mode)
         else:

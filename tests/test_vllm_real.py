@@ -105,6 +105,18 @@ def test_detected_spec_reads_the_window_and_the_servers_version(server: VLLMServ
     run(scenario(), timeout_s=600)
 
 
+def test_the_pools_version_is_set_on_vllm_and_reported_per_token(server: VLLMServer) -> None:
+    async def scenario() -> list[str]:
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+            versions = []
+            for label in ("step-9", "default"):
+                await pool.set_weight_version(label)
+                result = await pool.generate(PROMPT, SamplingParams(max_tokens=3), trajectory_id=label, timeout_s=120)
+                versions += [result.weight_version, *(s.version for s in result.weight_spans)]
+            return versions
+    assert run(scenario(), timeout_s=600) == ["step-9", "step-9", "default", "default"]
+
+
 def test_weight_push_changes_logprobs_and_every_turn_carries_the_new_version(
         server: VLLMServer, model_dir: Path, recompute: Recompute, tmp_path: Path) -> None:
     new_dir = perturbed_copy(model_dir, tmp_path / "step-1", seed=1)

@@ -132,6 +132,10 @@ class InferenceBackend(ABC):
     async def health(self) -> bool:
         """True when the server answers its health probe in time."""
 
+    async def set_weight_version(self, version: str) -> None:
+        """Label the server's current weights ``version``, where its protocol has a label that it
+        then reports per call (vLLM >= 0.32); a no-op elsewhere."""
+
     async def probe(self) -> str:
         """One of :data:`HEALTH_STATES`; backends that can tell a slow server from a gone one
         say ``slow`` for the first."""

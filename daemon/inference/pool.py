@@ -318,9 +318,12 @@ class ServerPool:
 
     # --- weights and control -----------------------------------------------------------------
 
-    def set_weight_version(self, version: str) -> None:
-        """The version recorded for results from servers whose protocol reports none."""
+    async def set_weight_version(self, version: str) -> None:
+        """Label the current weights ``version``: on every server whose protocol reports a label
+        (so its per-token versions say it from now on), and for results from servers that report
+        none."""
         self._weight_version = str(version)
+        await self._on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
 
     @property
     def weight_version(self) -> str:

@@ -22,6 +22,7 @@ vLLM drop the request, and an abort is sent as well, under the id vLLM tracks th
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 from collections.abc import Sequence
 
@@ -30,6 +31,8 @@ import numpy as np
 from rolloutd.daemon.inference.base import PAUSE_MODES, GenerateResult, SamplingParams, checked_result
 from rolloutd.daemon.inference.http_backend import HTTPBackend, prompt_list
 from rolloutd.native_io.errors import ConfigError, InferenceProtocolError
+
+logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 GENERATE_ABORT_PATH = "/inference/v1/abort_requests"
@@ -115,6 +118,7 @@ class VLLMHTTPBackend(HTTPBackend):
         self.route = route
         self._path = ROUTES[route]
         self._model = model
+        self._spans_ignored = False
 
     async def generate(self, prompt_ids: Sequence[int] | np.ndarray, params: SamplingParams, *,
                        request_id: str, timeout_s: float) -> GenerateResult:
@@ -133,7 +137,8 @@ class VLLMHTTPBackend(HTTPBackend):
             ids, logprobs, finish = parse_completions_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.token_logprobs"
         return checked_result(ids, logprobs, finish, params=params, server=self.address, what=what,
-                              request_id=request_id, http_s=http_s, weight_spans=versions)
+                              request_id=request_id, http_s=http_s,
+                              weight_spans=None if self._spans_ignored else versions)
 
     async def discover(self) -> None:
         """Read the server's context window from ``/v1/models`` (None where it gives none)."""
@@ -143,6 +148,16 @@ class VLLMHTTPBackend(HTTPBackend):
             if isinstance(models, list) else None
         limit = entry.get("max_model_len") if isinstance(entry, dict) else None
         self.max_model_len = limit if isinstance(limit, int) and limit > 0 else None
+
+    async def set_weight_version(self, version: str) -> None:
+        try:
+            await self._control("POST", "/update_weight_version", {"new_version": version})
+        except InferenceProtocolError as e:
+            # No route (no VLLM_SERVER_DEV_MODE, or before 0.32): its spans would keep saying the
+            # old label, so they are ignored and the pool's recorded version stands instead.
+            if not self._spans_ignored:
+                logger.warning("%s cannot be told the weight version (%s); recording it in the pool", self.address, e)
+            self._spans_ignored = True
 
     async def abort(self, request_id: str) -> None:
         path = GENERATE_ABORT_PATH if self.route == "generate" else "/abort_requests"

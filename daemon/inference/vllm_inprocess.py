@@ -8,8 +8,9 @@ Written against vLLM's documented engine API (shared/notes/inference_protocols.m
 
 The last RequestOutput's ``outputs[0]`` holds ``token_ids``, ``logprobs`` (one ``{token_id:
 Logprob}`` mapping per generated token; with ``logprobs=0`` the sampled token is always in it)
-and ``finish_reason``. :func:`result_from_request_output` does that conversion and is tested
-without vLLM. The engine reports no weight version; the pool records it.
+and ``finish_reason``, and (vLLM >= 0.32) ``weight_versions``, the per-token version spans.
+:func:`result_from_request_output` does that conversion. On a node the engine lives in one
+process shared by the workers (:mod:`rolloutd.daemon.inference.engine_host`), not in each worker.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def result_from_request_output(out: Any, *, params: SamplingParams, server: str,
     else:
         logprobs = [_sampled_logprob(p, t) for p, t in zip(positions, ids)]
     return checked_result(ids, logprobs, first.finish_reason, params=params, server=server, what=_WHAT,
-                          request_id=request_id, http_s=http_s)
+                          request_id=request_id, http_s=http_s,
+                          weight_spans=getattr(first, "weight_versions", None))
 
 
 class VLLMInProcessBackend(InferenceBackend):
@@ -94,12 +96,33 @@ class VLLMInProcessBackend(InferenceBackend):
         self._vllm = import_vllm()
         self._engine = engine
         self.address = address
+        limit = getattr(getattr(engine, "model_config", None), "max_model_len", None)
+        self.max_model_len = limit if isinstance(limit, int) else None
 
     @classmethod
     def from_model(cls, model: str, **engine_args: Any) -> VLLMInProcessBackend:
+        """An engine for ``model`` with rolloutd's weight-reload worker extension."""
         vllm = import_vllm()
+        engine_args.setdefault("worker_extension_cls", "rolloutd.daemon.inference.vllm_worker_ext.WeightReload")
         engine = vllm.AsyncLLM.from_engine_args(vllm.AsyncEngineArgs(model=model, **engine_args))
         return cls(engine, address=f"vllm-inprocess:{model}")
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._engine.update_weight_version(version)
+
+    async def update_weights(self, *, path: str | None = None, blob: bytes | None = None,
+                             version: str | None = None) -> None:
+        """Load new weights (an HF folder or one safetensors blob), drop the prefix cache computed
+        under the old ones, and label them ``version`` (reported per token from then on)."""
+        if (path is None) == (blob is None):
+            raise ConfigError("update_weights needs exactly one of path (a folder) or blob (safetensors bytes)")
+        if path is not None:
+            await self._engine.collective_rpc("reload_from_path", kwargs={"weights_path": path})
+        else:
+            await self._engine.collective_rpc("reload_from_bytes", args=(blob,))
+        await self._engine.reset_prefix_cache()
+        if version is not None:
+            await self._engine.update_weight_version(version)
 
     def _sampling(self, params: SamplingParams) -> Any:
         return self._vllm.SamplingParams(
