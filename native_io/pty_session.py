@@ -120,10 +120,13 @@ class PtySession:
         self._proc.on_exit(lambda code: self._on_child_exit(proc, code))
         self._loop.add_reader(fd, self._on_readable)
         # Belt and braces: echo may be re-enabled by the first exec in the container; job control
-        # off so background jobs print no "[1] 1234" notices.
+        # off so background jobs print no "[1] 1234" notices. noflsh: by default the terminal
+        # discards its pending input when ^C raises SIGINT, and on a loaded node the line sent
+        # right after the ^C (see _interrupt) is often still pending then: the shell never saw
+        # it and was respawned, losing its cwd and environment.
         try:
             await self._roundtrip(
-                "stty -echo -onlcr 2>/dev/null; set +m; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''",
+                "stty -echo -onlcr noflsh 2>/dev/null; set +m; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''",
                 timeout=cfg.start_timeout_s,
             )
             if cfg.init_script:
@@ -327,8 +330,23 @@ class PtySession:
         os.pwrite(self._cmd_fd, payload, 0)
         os.ftruncate(self._cmd_fd, len(payload))
 
+    def _disarm_command_file(self) -> None:
+        # On a loaded node the ^C can land before the shell has read the line that sources the
+        # command file; that line then still runs after the interrupt (the terminal keeps it,
+        # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
+        # no-op; a shell that already opened the old file is running it, and the ^C stops it.
+        # A rename, not a truncation: a shell reading the file sees all of it or none.
+        path = self.config.command_dir_host / "cmd.sh"
+        fresh = path.with_name("cmd.sh.next")
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.rename(fresh, path)
+        if self._cmd_fd is not None:
+            os.close(self._cmd_fd)
+        self._cmd_fd = fd
+
     async def _interrupt(self) -> bool:
         """SIGINT through the terminal; returns True when the shell had to be respawned."""
+        self._disarm_command_file()
         with contextlib.suppress(SessionError):
             self._write(b"\x03")
         try:

@@ -100,10 +100,12 @@ async def spawn_pty(argv: list[str], *, env: dict[str, str] | None = None, cwd: 
     controller, terminal = os.openpty()
     try:
         fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        attrs = termios.tcgetattr(terminal)
+        # NOFLSH: a ^C must not discard input already written after it (PtySession._interrupt).
+        attrs[3] |= termios.NOFLSH
         if not echo:
-            attrs = termios.tcgetattr(terminal)
             attrs[3] &= ~termios.ECHO
-            termios.tcsetattr(terminal, termios.TCSANOW, attrs)
+        termios.tcsetattr(terminal, termios.TCSANOW, attrs)
         # `setsid -c` (util-linux and BusyBox alike): a new session, then the terminal on stdin
         # becomes its controlling terminal (Popen has no such option; a preexec_fn would fork).
         child = await spawn(["setsid", "-c", *argv], env=env, cwd=cwd, stdin=terminal, stdout=terminal,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.native_io.errors import CommandTimeout
+from rolloutd.native_io.procfs import live_processes
 
 
 @pytest.fixture
@@ -103,3 +108,30 @@ async def test_syntax_error_is_an_exit_code_not_a_crash(lease: Lease) -> None:
 async def test_output_cannot_fake_the_sentinel(lease: Lease) -> None:
     r = await lease.run(r"printf '\036RLD0123456789abcdef:0\036\nafter\n'")
     assert r.output.endswith("after\n") and r.exit_code == 0
+
+
+async def test_interrupt_before_the_shell_read_the_command_cancels_it(lease: Lease, tmp_path) -> None:
+    # A loaded node: the timeout's ^C lands before the shell has even read the command line. The
+    # command must not run afterwards (its sleep would outlast the grace and cost the shell its
+    # state), and the shell must come back.
+    await lease.run("export KEEP=1")
+    marker = tmp_path / "ran"
+    frozen = [p.pid for p in live_processes() if p.session == lease.shell.pid]
+    _signal_all(frozen, signal.SIGSTOP)
+    # Thawed once the ^C is written (at the 0.3 s timeout), well inside the 1 s interrupt grace.
+    thaw = asyncio.get_running_loop().call_later(0.5, _signal_all, frozen, signal.SIGCONT)
+    try:
+        with pytest.raises(CommandTimeout) as e:
+            await lease.run(f"touch {marker}; sleep 20", timeout_s=0.3)
+    finally:
+        thaw.cancel()
+        _signal_all(frozen, signal.SIGCONT)
+    assert e.value.details["shell_restarted"] is False
+    assert (await lease.run('echo "$KEEP"')).output == "1\n"
+    assert not marker.exists()
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -49,6 +49,9 @@ class Lease:
     created_at: float = field(default_factory=time.monotonic)
     leased_at: float | None = None
     lost_reason: str | None = None
+    sandbox_stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set once the sandbox is stopped: nothing it ran is alive. ``lost_reason`` comes first (new
+    commands are refused at once); the stop of a lost lease follows in the background."""
     kernel_start_s: float = 0.0
     """Wall time this lease's cells waited for their kernel to start (none when it was started
     ahead)."""
@@ -113,6 +116,7 @@ class Lease:
         # The sandbox first: killing an instance's init ends every process inside at once, so the
         # sessions below only have to reap and close their sockets.
         await self.sandbox.stop()
+        self.sandbox_stopped.set()
         await self.shell.close()
         if self.kernel is not None:
             await self.kernel.close()
@@ -362,6 +366,7 @@ class WarmPool:
                         with contextlib.suppress(ValueError):
                             queue.remove(lease)
                     await lease.sandbox.stop()
+                    lease.sandbox_stopped.set()
 
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
