@@ -55,9 +55,14 @@ def burners(count: int) -> Iterator[None]:
 
 def one_round(tests: list[str], report: Path) -> list[tuple[str, str | None]]:
     """(test id, failure message or None) for every test run in this round."""
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                    *tests], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=ROUND_TIMEOUT_S, check=False)
+    try:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                        *tests], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=ROUND_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [("(the round)", f"pytest did not finish within {ROUND_TIMEOUT_S:.0f} s (ROUND_TIMEOUT_S)")]
+    if not report.exists():
+        return [("(the round)", "pytest wrote no report: it could not collect or start")]
     out = []
     for case in ET.parse(report).getroot().iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 _SENTINEL_RE = re.compile(rb"\x1eRLD([0-9a-f]{16}):(-?\d+)\x1e\n")
 # Longest tail that can still be the start of a sentinel: \x1eRLD + 16 hex + : + rc + \x1e\n
 _SENTINEL_HOLD = 4 + 16 + 1 + 12 + 2
+_COMMAND_FILE = "cmd.sh"
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,7 @@ class PtySession:
         self._proc.on_exit(lambda code: self._on_child_exit(proc, code))
         self._loop.add_reader(fd, self._on_readable)
         # Belt and braces: echo may be re-enabled by the first exec in the container; job control
-        # off so background jobs print no "[1] 1234" notices. noflsh: by default the terminal
-        # discards its pending input when ^C raises SIGINT, and on a loaded node the line sent
-        # right after the ^C (see _interrupt) is often still pending then: the shell never saw
-        # it and was respawned, losing its cwd and environment.
+        # off so background jobs print no "[1] 1234" notices; noflsh as set by spawn_pty.
         try:
             await self._roundtrip(
                 "stty -echo -onlcr noflsh 2>/dev/null; set +m; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''",
@@ -282,7 +280,7 @@ class PtySession:
                 "utf-8", "surrogateescape"
             )
             self._write_command_file(payload)
-            shell_path = f"{self.config.command_dir_shell}/cmd.sh"
+            shell_path = f"{self.config.command_dir_shell}/{_COMMAND_FILE}"
             collector = OutputCollector(self.config.max_output_bytes)
             self._scan.clear()
             self._collector = collector
@@ -324,9 +322,7 @@ class PtySession:
         # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
         # with discard, more than the whole command round trip.
         if self._cmd_fd is None:
-            self._cmd_fd = os.open(
-                self.config.command_dir_host / "cmd.sh", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
+            self._cmd_fd = self._open_command_file(_COMMAND_FILE)
         os.pwrite(self._cmd_fd, payload, 0)
         os.ftruncate(self._cmd_fd, len(payload))
 
@@ -336,13 +332,16 @@ class PtySession:
         # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
         # no-op; a shell that already opened the old file is running it, and the ^C stops it.
         # A rename, not a truncation: a shell reading the file sees all of it or none.
-        path = self.config.command_dir_host / "cmd.sh"
-        fresh = path.with_name("cmd.sh.next")
-        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.rename(fresh, path)
+        fd = self._open_command_file(f"{_COMMAND_FILE}.next", truncate=True)
+        os.rename(self.config.command_dir_host / f"{_COMMAND_FILE}.next",
+                  self.config.command_dir_host / _COMMAND_FILE)
         if self._cmd_fd is not None:
             os.close(self._cmd_fd)
         self._cmd_fd = fd
+
+    def _open_command_file(self, name: str, *, truncate: bool = False) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        return os.open(self.config.command_dir_host / name, flags, 0o600)
 
     async def _interrupt(self) -> bool:
         """SIGINT through the terminal; returns True when the shell had to be respawned."""

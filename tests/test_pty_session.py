@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -110,7 +111,7 @@ async def test_output_cannot_fake_the_sentinel(lease: Lease) -> None:
     assert r.output.endswith("after\n") and r.exit_code == 0
 
 
-async def test_interrupt_before_the_shell_read_the_command_cancels_it(lease: Lease, tmp_path) -> None:
+async def test_interrupt_before_the_shell_read_the_command_cancels_it(lease: Lease, tmp_path: Path) -> None:
     # A loaded node: the timeout's ^C lands before the shell has even read the command line. The
     # command must not run afterwards (its sleep would outlast the grace and cost the shell its
     # state), and the shell must come back.

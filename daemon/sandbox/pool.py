@@ -112,11 +112,15 @@ class Lease:
         self._check()
         return result
 
+    async def stop_sandbox(self) -> None:
+        """Stop the sandbox and everything running in it (never raises); sets ``sandbox_stopped``."""
+        await self.sandbox.stop()
+        self.sandbox_stopped.set()
+
     async def destroy(self) -> None:
         # The sandbox first: killing an instance's init ends every process inside at once, so the
         # sessions below only have to reap and close their sockets.
-        await self.sandbox.stop()
-        self.sandbox_stopped.set()
+        await self.stop_sandbox()
         await self.shell.close()
         if self.kernel is not None:
             await self.kernel.close()
@@ -365,8 +369,7 @@ class WarmPool:
                     for queue in self._ready.values():
                         with contextlib.suppress(ValueError):
                             queue.remove(lease)
-                    await lease.sandbox.stop()
-                    lease.sandbox_stopped.set()
+                    await lease.stop_sandbox()
 
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
