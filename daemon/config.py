@@ -73,6 +73,11 @@ class NodeConfig:
     """Inference servers, e.g. ``http://127.0.0.1:8000`` (protocol detected) or ``sglang+http://...``."""
     inference_api_key: str = ""
     """Bearer token sent to inference servers."""
+    inference_engine_args: str = "{}"
+    """For ``vllm-inprocess:MODEL`` servers: vLLM ``AsyncEngineArgs`` fields as a JSON object
+    (e.g. ``{"max_model_len": 16384, "dtype": "float32"}``); one engine per node serves all workers."""
+    inference_engine_ready_timeout_s: float = 600.0
+    """How long the node waits for each in-process vLLM engine to start (seconds)."""
     inference_server_wait_s: float = 120.0
     """How long a model turn waits for an inference server when none is usable (one restarting),
     within the turn's own deadline, before it fails with NO_INFERENCE_SERVER."""
@@ -110,6 +115,15 @@ class NodeConfig:
             )
         if self.router_slots < 0:
             raise ConfigError(f"router_slots must be >= 0, got {self.router_slots}")
+        try:
+            engine_args = json.loads(self.inference_engine_args)
+        except ValueError as e:
+            raise ConfigError(f"inference_engine_args must be a JSON object, got {self.inference_engine_args!r}: {e}") from e
+        if not isinstance(engine_args, dict):
+            raise ConfigError(f"inference_engine_args must be a JSON object, got {self.inference_engine_args!r}")
+        if not self.inference_engine_ready_timeout_s > 0:
+            raise ConfigError(f"inference_engine_ready_timeout_s must be > 0 seconds, got "
+                              f"{self.inference_engine_ready_timeout_s}")
         if not self.inference_server_wait_s >= 0:  # NaN fails too
             raise ConfigError(f"inference_server_wait_s must be >= 0 seconds, got {self.inference_server_wait_s}")
         if len(str(self.socket_path)) > SOCKET_PATH_MAX:

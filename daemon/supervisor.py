@@ -56,6 +56,7 @@ from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
 from .config import NodeConfig
+from .node_engines import NodeEngines
 from .reaper import reap_state_dir
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class Supervisor:
             from .router_link import RouterLink
 
             self.extensions.append(RouterLink(config))
+        self.engines = NodeEngines(config, self.run_dir)
+        """The node's shared vLLM engines, started before the workers, stopped after them."""
         self.curve: Any = None
         """The ZAP handler guarding ``self.tcp`` (closed after it, before the context)."""
 
@@ -155,6 +158,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         try:
+            await self.engines.start()
             async with asyncio.TaskGroup() as tg:
                 for w in self.workers.values():
                     tg.create_task(self._run_worker(w))
@@ -180,6 +184,7 @@ class Supervisor:
         except* _Stopped:
             pass
         finally:
+            await self.engines.stop()
             self._cleanup_files()
 
 

@@ -42,7 +42,7 @@ from rolloutd.client.wire import (
     to_fields,
 )
 from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, RolloutdError
+from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
 from rolloutd.native_io.unix_link import UnixLink
 
 from .config import NodeConfig
@@ -248,6 +248,9 @@ class Worker:
         assert self.pipeline is not None
         pool, op = self.pipeline.inference, header["op"]
         if op == "inference.add_server":
+            if args.address.startswith("vllm-inprocess:"):
+                raise ConfigError("an in-process vLLM engine is given when the node starts "
+                                  "(--inference-server vllm-inprocess:MODEL), so that all workers share one")
             await pool.add_server(args.address)
         elif op == "inference.remove_server":
             await pool.remove_server(args.address)

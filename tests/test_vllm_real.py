@@ -8,6 +8,7 @@ that restarts it comes last. A missing vLLM is an error here, never a skip (scri
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from agent_support import reference_tokenizer
@@ -25,6 +27,7 @@ from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.agents.base import make_agent
 from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.engine_client import EngineClientBackend
 from rolloutd.daemon.inference.factory import make_backend
 from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.inference.vllm_http import VLLMHTTPBackend
@@ -289,6 +292,65 @@ def test_openai_proxy_in_front_of_real_vllm(server: VLLMServer, short_tmp: Path,
     prompt, result = results[0]
     assert recompute.max_error(prompt, result.token_ids, result.logprobs) <= FIDELITY
     assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(result.logprobs.tolist(), abs=1e-6)
+
+
+def _engine_hosts() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"])
+            if "rolloutd.daemon.inference.engine_host" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Recompute, short_tmp: Path,
+                                                  tmp_path: Path) -> None:
+    env = {"ROLLOUTD_INFERENCE_ENGINE_ARGS": json.dumps({"max_model_len": 8192, "dtype": "float32"}),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    tasks = ["wordwrap-001", "semver-010"]
+    before = len(_engine_hosts())
+    with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "2", "--warm", "1", "--ready-timeout-s",
+                     "500", "--inference-server", f"vllm-inprocess:{model_dir}", env=env) as address:
+        assert len(_engine_hosts()) == before + 1  # one engine for the two workers
+        with RolloutClient(address) as client:
+            client.set_weight_version("ip-1")
+            ids = client.submit([RolloutRequest(task_id=t, n=2, sampling={"max_tokens": 32},
+                                                agent_config={"max_turns": 2}) for t in tasks])
+            rows = []
+            for result in client.as_completed(ids, timeout_s=600):
+                assert result.error is None, result.error
+                for t in result.trajectories:
+                    assert not t.error_message, t.error_message
+                    rows.append((np.array(t.prompt_ids), np.array(t.response_ids), np.array(t.response_mask),
+                                 np.array(t.response_logprobs), set(t.weight_versions)))
+                client.release(result)
+        # The workers' engine, driven directly: abort, then a weight push through it.
+        new_dir = perturbed_copy(model_dir, tmp_path / "ip-2", seed=2)
+
+        async def direct() -> tuple[Any, Any]:
+            engine = EngineClientBackend(f"ipc://{short_tmp / 'n' / 'engine-0.sock'}")
+            try:
+                await engine.discover()
+                assert engine.max_model_len == 8192
+                call = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=6000, ignore_eos=True),
+                                                           request_id="ip-abort", timeout_s=300))
+                await asyncio.sleep(0.5)
+                await engine.abort("ip-abort")
+                aborted = await asyncio.wait_for(call, 60)
+                await engine.pause("keep")
+                await engine.update_weights(str(new_dir), version="ip-2")
+                await engine.resume()
+                pushed = await engine.generate(PROMPT, SamplingParams(max_tokens=8), request_id="ip-new",
+                                               timeout_s=120)
+            finally:
+                await engine.close()
+            return aborted, pushed
+        aborted, pushed = run(direct(), timeout_s=600)
+    assert len(_engine_hosts()) == before  # stopped with the node
+    assert len(rows) == 4
+    for prompt, response, mask, logprobs, versions in rows:
+        assert versions == {"ip-1"} and mask.sum() > 0
+        recomputed = recompute.token_logprobs(prompt.tolist(), response.tolist())
+        assert float(np.abs(recomputed[mask.astype(bool)] - logprobs[mask.astype(bool)]).max()) <= FIDELITY
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 6000
+    assert pushed.weight_version == "ip-2"
+    assert Recompute(new_dir).max_error(PROMPT, pushed.token_ids, pushed.logprobs) <= FIDELITY
 
 
 def test_slow_health_keeps_the_server_and_a_restart_under_a_turn_is_survived(server: VLLMServer) -> None:

@@ -6,7 +6,9 @@ Specs:
 - ``sglang+http://HOST:PORT``: SGLang ``/generate``
 - ``http://HOST:PORT``: probe: vLLM generate route, then SGLang (``GET /get_model_info``), then vLLM
   completions (``GET /v1/models``)
-- ``vllm-inprocess:/path/to/model``: vLLM engine in this process (needs ``rolloutd[vllm]``)
+- ``vllm-inprocess:/path/to/model``: vLLM engine in this process (needs ``rolloutd[vllm]``); on a
+  node the supervisor runs one such engine for all workers and gives them the next form instead
+- ``vllm-engine+ipc:///path/engine.sock``: the node's shared engine host
 
 Probing sends no generation: an empty JSON body to ``/inference/v1/generate`` is answered 400/422
 by a server that has the route and 404 by one that does not.
@@ -22,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from rolloutd.daemon.inference.base import InferenceBackend
+from rolloutd.daemon.inference.engine_client import SPEC_PREFIX, EngineClientBackend
 from rolloutd.daemon.inference.sglang_http import SGLangHTTPBackend
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, VLLMHTTPBackend
 from rolloutd.native_io.errors import ConfigError, InferenceError, InferenceProtocolError, InferenceRejected
@@ -50,6 +53,14 @@ def parse_spec(spec: str) -> tuple[str, str]:
 async def make_backend(spec: str, *, api_key: str | None = None, detect_timeout_s: float = 10.0,
                        **http_options: Any) -> InferenceBackend:
     """A backend for ``spec``; ``http_options`` go to the HTTP backend (timeouts, max_connections)."""
+    if spec.startswith(SPEC_PREFIX):
+        engine = EngineClientBackend(spec.removeprefix(SPEC_PREFIX))
+        try:
+            await engine.discover()
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
     kind, target = parse_spec(spec)
     if kind == "vllm-inprocess":
         from rolloutd.daemon.inference.vllm_inprocess import VLLMInProcessBackend

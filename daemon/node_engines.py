@@ -1,0 +1,97 @@
+"""The node's shared vLLM engines: one engine-host process per ``vllm-inprocess:MODEL`` server.
+
+Started by the supervisor before its workers, in the vLLM environment when this one has no vLLM
+(:func:`rolloutd.daemon.inference.vllm_server.vllm_python`); each spec in the node config is then
+replaced by ``vllm-engine+ipc://RUN_DIR/engine-N.sock``, so every worker's pool talks to the one
+engine instead of loading the model again. "Ready" is the host's ``READY`` line, printed once the
+engine passed a health probe. Stopped after the workers: SIGTERM to the host's process group
+(vLLM's engine core is a child), then SIGKILL; the rung reached is kept in ``stop_rungs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from rolloutd.native_io.errors import ConfigError, InferenceError
+
+from .config import NodeConfig
+from .inference.engine_client import SPEC_PREFIX
+
+log = logging.getLogger(__name__)
+
+INPROCESS_PREFIX = "vllm-inprocess:"
+
+
+class NodeEngines:
+    def __init__(self, config: NodeConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.stop_rungs: list[str] = []
+
+    def _python(self) -> str:
+        if importlib.util.find_spec("vllm") is not None:
+            return sys.executable
+        from .inference.vllm_server import vllm_python
+
+        return vllm_python()
+
+    async def start(self) -> None:
+        specs = self.config.inference_servers
+        for i, spec in enumerate(specs):
+            if not spec.startswith(INPROCESS_PREFIX):
+                continue
+            model = spec.removeprefix(INPROCESS_PREFIX)
+            if not model:
+                raise ConfigError("vllm-inprocess: needs a model path or name, e.g. vllm-inprocess:/models/qwen")
+            socket_path = self.run_dir / f"engine-{i}.sock"
+            log_path = self.run_dir / f"engine-{i}.log"
+            with open(log_path, "ab") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    self._python(), "-m", "rolloutd.daemon.inference.engine_host", "--model", model, "--socket",
+                    str(socket_path), "--engine-args", self.config.inference_engine_args,
+                    stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True, env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
+            self.procs.append(proc)
+            assert proc.stdout is not None
+            timeout_s = self.config.inference_engine_ready_timeout_s
+            try:
+                async with asyncio.timeout(timeout_s):
+                    line = (await proc.stdout.readline()).decode().strip()
+                    if not line:  # standard output closed: the host is exiting
+                        await proc.wait()
+            except TimeoutError:
+                line = ""
+            if not line.startswith("READY "):
+                why = (f"exited with {proc.returncode}" if proc.returncode is not None else
+                       f"did not start within {timeout_s:.0f}s (inference_engine_ready_timeout_s)")
+                tail = log_path.read_text(errors="replace").splitlines()[-10:]
+                raise InferenceError(f"the node's vLLM engine for {model} {why}; its log {log_path}:\n"
+                                     + "\n".join(tail))
+            specs[i] = f"{SPEC_PREFIX}ipc://{socket_path}"
+            log.info("vLLM engine for %s serves the node's workers at %s (pid %d)", model, socket_path, proc.pid)
+
+    async def stop(self) -> None:
+        for proc in self.procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            rung = "term"
+            try:
+                await asyncio.wait_for(proc.wait(), self.config.shutdown_timeout_s)
+            except TimeoutError:
+                rung = "kill"
+            # The engine core may outlive its parent: the whole group goes either way.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            self.stop_rungs.append(rung)
+        self.procs.clear()
