@@ -1,7 +1,9 @@
 """The asyncio client a trainer links: one DEALER socket to the node daemon (or the router).
 
 Every call has a deadline; on timeout or cancellation the client tells the daemon (CANCEL) so
-the work stops there too. Arrays of a reply are mapped from the node's shared memory without a
+the work stops there too. A daemon that dies fails every pending call with DAEMON_LOST: at once
+when its connection closes (a killed process's sockets close with it), or when it stops
+answering ZeroMQ heartbeats (a frozen process, a lost network), within ``HEARTBEAT_TIMEOUT_MS``. Arrays of a reply are mapped from the node's shared memory without a
 copy when the daemon is local (``ipc://``), or arrive as raw frames otherwise.
 """
 
@@ -13,22 +15,35 @@ import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import zmq
 
 from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, OperationTimeout, PermissionDenied, RolloutdError, error_from_code
+from rolloutd.native_io.errors import (
+    Cancelled,
+    DaemonLost,
+    OperationTimeout,
+    PermissionDenied,
+    RolloutdError,
+    error_from_code,
+)
 from rolloutd.native_io.pty_session import CommandResult
-from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
 
 from .trajectory import Trajectory, unpack_batch
 from .wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
 
 DEFAULT_TIMEOUT_S = 600.0
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10000
+"""A daemon whose ZeroMQ I/O thread answers no heartbeat for this long is taken for dead (the
+I/O thread answers even while the daemon's event loop is busy, so load does not trip it)."""
+RESULT_MARGIN_S = 60.0
+"""``as_completed`` without a timeout waits for the latest request's own ``timeout_s`` plus this."""
 
 
 def default_address() -> str:
@@ -96,9 +111,10 @@ class AsyncRolloutClient:
         """Keys for a tcp:// address (``rolloutd.daemon.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
         self._ctx: zmq.Context[Any] | None = None
         self._sock: LoopSocket | None = None
-        self._handshakes: Any = None
+        self._events: SocketEvents | None = None
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._rollouts: dict[str, asyncio.Future[Reply]] = {}
+        self._rollout_deadlines: dict[str, float] = {}
         self._held_segments: set[str] = set()
         self._segment_maps = shm.SegmentMaps()
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
@@ -115,11 +131,15 @@ class AsyncRolloutClient:
             self._curve = CurveClient.from_env()
         self._ctx = zmq.Context()
         sock = make_socket(self._ctx, zmq.DEALER, identity=uuid.uuid4().bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        events = zmq.EVENT_DISCONNECTED
         if self._curve is not None:
-            from rolloutd.daemon.curve import watch_handshakes
+            from rolloutd.daemon.curve import HANDSHAKE_FAILURES
 
             self._curve.apply_client(sock)
-            self._handshakes = watch_handshakes(sock, self._refused)
+            events |= HANDSHAKE_FAILURES
+        self._events = SocketEvents(sock, events, self._on_socket_event)
         sock.connect(self.address)
         self._sock = LoopSocket(sock, self._on_message)
         return self
@@ -134,9 +154,9 @@ class AsyncRolloutClient:
             if not fut.done():
                 fut.set_exception(Cancelled("client closed"))
                 fut.exception()  # retrieved here: nobody may be awaiting it any more
-        if self._handshakes is not None:
-            self._handshakes.close()
-            self._handshakes = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._sock is not None:
             self._sock.close(linger_ms=500)
             self._sock = None
@@ -179,13 +199,25 @@ class AsyncRolloutClient:
         except RolloutdError as e:
             fut.set_exception(e)
 
-    def _refused(self, reason: str) -> None:
-        """The server refused the handshake (unknown key, wrong server key): fail the calls now."""
+    def _on_socket_event(self, event: dict[str, Any]) -> None:
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            # Pending answers cannot come: the daemon's routing of them died with the connection.
+            self._fail_pending(lambda: DaemonLost(
+                f"the daemon at {self.address} went away (its connection closed or it stopped answering "
+                f"heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:.0f} s) while this call was pending; its work is "
+                "lost. See `rolloutd node status` and the daemon's log, then submit again"))
+            return
+        from rolloutd.daemon.curve import handshake_reason
+
+        reason = handshake_reason(event)
+        self._fail_pending(lambda: PermissionDenied(
+            f"{self.address} refused this client: {reason}; its operator must add your public key "
+            "(.key file) to the allowed-keys folder, and ROLLOUTD_CURVE_SERVER_KEY must be its key"))
+
+    def _fail_pending(self, error: Callable[[], RolloutdError]) -> None:
         for fut in self._waiters.values():
             if not fut.done():
-                fut.set_exception(PermissionDenied(
-                    f"{self.address} refused this client: {reason}; its operator must add your public key "
-                    "(.key file) to the allowed-keys folder, and ROLLOUTD_CURVE_SERVER_KEY must be its key"))
+                fut.set_exception(error())
 
     def _reply(self, header: dict[str, Any], buffers: list[Any]) -> Reply:
         refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs", [])]
@@ -205,6 +237,8 @@ class AsyncRolloutClient:
     async def _start(self, op: str, args: dict[str, Any] | None, request_id: str | None) -> tuple[str, asyncio.Future[Reply]]:
         if self._sock is None:
             await self.connect()
+        if self._events is not None:
+            self._events.catch_up()  # a disconnect seen before this call is not this call's
         rid = request_id or f"{self._id_prefix}{next(self._ids)}"
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
@@ -231,19 +265,29 @@ class AsyncRolloutClient:
     async def submit(self, requests: list[RolloutRequest]) -> list[str]:
         """Send rollout requests without waiting; returns their ids (answers come in any order)."""
         ids = []
+        loop = asyncio.get_running_loop()
         for req in requests:
             rid, fut = await self._start("rollout", req.to_args(), req.request_id)
             self._rollouts[rid] = fut
+            self._rollout_deadlines[rid] = loop.time() + req.timeout_s + RESULT_MARGIN_S
             ids.append(rid)
         return ids
 
     async def as_completed(self, ids: list[str], *, timeout_s: float | None = None) -> AsyncIterator[RolloutResult]:
-        """Results in completion order; a request that failed yields a result with ``error`` set."""
+        """Results in completion order; a request that failed yields a result with ``error`` set.
+
+        Without ``timeout_s`` it waits until the latest of the requests' own deadlines (their
+        ``timeout_s``) plus RESULT_MARGIN_S: by then the daemon has answered, or is broken."""
         futs = {self._rollouts[rid]: rid for rid in ids}
-        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        loop = asyncio.get_running_loop()
+        if timeout_s is None:
+            deadline = max((self._rollout_deadlines[rid] for rid in ids), default=loop.time())
+            timeout_s = round(deadline - loop.time(), 1)
+        else:
+            deadline = loop.time() + timeout_s
         pending = set(futs)
         while pending:
-            left = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            left = max(0.0, deadline - loop.time())
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 for fut in pending:
@@ -258,6 +302,7 @@ class AsyncRolloutClient:
 
     def _result(self, rid: str, fut: asyncio.Future[Reply]) -> RolloutResult:
         self._rollouts.pop(rid, None)
+        self._rollout_deadlines.pop(rid, None)
         self._waiters.pop(rid, None)
         exc = fut.exception()
         if exc is not None:

@@ -53,7 +53,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
     if args.node_command == "drain":
         from .router_link import drain_node
 
-        return drain_node(config, node.pidfile_path(config, args.pidfile), resume=args.resume, wait_s=args.wait_s)
+        return drain_node(config, resume=args.resume, wait_s=args.wait_s)
     return _lifecycle(node, config, args, args.node_command)
 
 

@@ -24,10 +24,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from rolloutd.native_io.errors import ConfigError
-from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_loop import SocketEvents
 from rolloutd.native_io.zmq_sockets import make_socket
 
 log = logging.getLogger(__name__)
@@ -123,30 +122,13 @@ class CurveClient:
 # --- handshake failures ----------------------------------------------------------------------------
 
 
-class SocketEvents:
-    """Calls ``on_event(event)`` (``zmq.utils.monitor`` dicts) for ``events`` of ``sock``, read on the loop.
-
-    Close it before the socket's context is terminated.
-    """
-
-    def __init__(self, sock: zmq.Socket[Any], events: int, on_event: Callable[[Any], None]) -> None:
-        self.sock = sock
-        self.on_event = on_event
-        self.monitor = LoopSocket(sock.get_monitor_socket(events),
-                                  lambda frames: on_event(parse_monitor_message([f.bytes for f in frames])))
-
-    def close(self) -> None:
-        if not self.sock.closed:
-            self.sock.disable_monitor()
-        self.monitor.close()
-
-
 def watch_handshakes(sock: zmq.Socket[Any], on_failure: Callable[[str], None]) -> SocketEvents:
     """Calls ``on_failure(reason)`` for each failed handshake of ``sock``."""
-    return SocketEvents(sock, HANDSHAKE_FAILURES, lambda event: on_failure(_handshake_reason(event)))
+    return SocketEvents(sock, HANDSHAKE_FAILURES, lambda event: on_failure(handshake_reason(event)))
 
 
-def _handshake_reason(event: dict[str, Any]) -> str:
+def handshake_reason(event: dict[str, Any]) -> str:
+    """Why a handshake failed, from its monitor event (one of HANDSHAKE_FAILURES)."""
     kind, value = event["event"], event["value"]
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         reason = f"the key was refused (ZAP status {value})"
@@ -249,7 +231,7 @@ class CurveServer:
                 if on_disconnect is not None:
                     on_disconnect()
             else:
-                log.warning("refused a %s connection: %s", domain, _handshake_reason(event))
+                log.warning("refused a %s connection: %s", domain, handshake_reason(event))
 
         events = HANDSHAKE_FAILURES | (zmq.EVENT_DISCONNECTED if on_disconnect is not None else 0)
         watch = SocketEvents(sock, events, on_event)

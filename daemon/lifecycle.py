@@ -1,5 +1,5 @@
-"""The process lifecycle ``rolloutd node`` and ``rolloutd router`` share: pidfile, foreground
-run, detached start, stop by a ladder.
+"""The process lifecycle ``rolloutd node`` and ``rolloutd router`` share: run-folder lock and
+pidfile, foreground run, detached start, stop by a ladder.
 
 ``start --detach`` is safe to call from a Slurm prolog: the daemon runs in a new session with
 its standard streams on a log file (never on the caller's pipes), and the command returns only
@@ -24,7 +24,9 @@ from typing import Any
 import psutil
 import uvloop
 
-from rolloutd.native_io.errors import DaemonUnavailable, RolloutdError
+from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, RolloutdError
+
+from .run_lock import RunFolderLock, running_pid
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -50,24 +52,9 @@ class DaemonProcess:
         return f"ipc://{self.socket_path}"
 
 
-def daemon_pid(path: Path) -> int | None:
-    """The pid in ``path`` if that process is alive and is a rolloutd daemon (not a reused pid)."""
-    try:
-        pid = int(path.read_text().split()[0])
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE or "rolloutd" not in " ".join(proc.cmdline()):
-            return None
-        return pid
-    except (OSError, ValueError, IndexError, psutil.Error):
-        return None
-
-
 def run_foreground(d: DaemonProcess, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
     d.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    existing = daemon_pid(d.pidfile)
-    if existing is not None and existing != os.getpid():
-        raise RolloutdError(f"a {d.what} is already running (pid {existing}, {d.address}); "
-                            f"stop it with `rolloutd {d.command} stop`")
+    lock = RunFolderLock.take(d.run_path, d.command, d.what)
     d.pidfile.write_text(f"{os.getpid()}\n")
     try:
         uvloop.run(serve())
@@ -75,6 +62,7 @@ def run_foreground(d: DaemonProcess, serve: Callable[[], Coroutine[Any, Any, Non
         with contextlib.suppress(FileNotFoundError):
             if d.pidfile.read_text().split()[0] == str(os.getpid()):
                 d.pidfile.unlink()
+        lock.release()
     return 0
 
 
@@ -87,10 +75,11 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
         out = open(log_path, "ab")
     except OSError as e:
         raise RolloutdError(f"cannot prepare the run folder {d.run_path} or log {log_path}: {e}") from e
-    existing = daemon_pid(d.pidfile)
+    existing = running_pid(d.run_path, d.command)
     if existing is not None:
         out.close()
-        raise RolloutdError(f"a {d.what} is already running (pid {existing}, {d.address})")
+        raise DaemonRunning(f"a {d.what} is already running (pid {existing}, {d.address}); "
+                            f"stop it with `rolloutd {d.command} stop`")
     env = {**os.environ, d.config_env: d.config_json}
     # A Slurm prolog (or cron, or systemd) may give no PATH; the daemon runs apptainer and env.
     env.setdefault("PATH", DEFAULT_PATH)
@@ -105,15 +94,20 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            holder = running_pid(d.run_path, d.command)
             _abort_start(proc, d, cleanup)
+            if holder is not None:
+                raise DaemonRunning(f"a {d.what} is already running (pid {holder}, {d.address}); it started "
+                                    "while this one was starting and was left untouched")
             raise RolloutdError(f"the {d.what} (pid {proc.pid}) exited with {proc.returncode} during start-up; "
                                 f"log {log_path}:\n{tail(log_path)}")
         if d.socket_path.exists():
             try:
                 with RolloutClient(d.address, timeout_s=2.0) as client:
-                    client.status()
-                print(d.address, flush=True)
-                return 0
+                    answering = client.status()["pid"]
+                if answering == proc.pid:  # not another daemon that won the run folder
+                    print(d.address, flush=True)
+                    return 0
             except RolloutdError:
                 pass
         time.sleep(0.05)
@@ -124,12 +118,15 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
 
 def _abort_start(proc: subprocess.Popen[bytes], d: DaemonProcess, cleanup: Callable[[int], None]) -> None:
     """A failed start leaves nothing: every process of the daemon's session (it leads its own),
-    what ``cleanup`` removes, and the pidfile."""
+    what ``cleanup`` removes, and the pidfile; unless another daemon holds the run folder (this
+    one lost a race to it), whose files are its own and are left alone."""
     for p in psutil.process_iter(["pid"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getsid(p.info["pid"]) == proc.pid:
                 p.kill()
     proc.wait()
+    if running_pid(d.run_path, d.command) is not None:
+        return
     cleanup(proc.pid)
     with contextlib.suppress(FileNotFoundError):
         d.pidfile.unlink()

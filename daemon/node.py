@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from rolloutd.native_io import shm
 
 from . import lifecycle
 from .config import NodeConfig
-from .lifecycle import DaemonProcess, daemon_pid
+from .lifecycle import DaemonProcess
 from .reaper import reap_state_dir
+from .run_lock import running_pid
+from .sandbox_user import workers_dir
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
 
 
 def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = daemon_pid(pidfile)
+    pid = running_pid(config.run_path, "node")
     if pid is None:
         print(f"no node daemon running for {config.run_path}")
         _cleanup_after(config, None)
@@ -56,10 +59,11 @@ def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:
 
 def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
     """After a forced stop: no sandbox, segment or socket of that daemon may remain."""
-    workers = config.run_path / "workers"
+    workers = workers_dir(config)
     if workers.exists():
         for state in workers.iterdir():
             reap_state_dir(state)
+        shutil.rmtree(workers, ignore_errors=True)
     if pid is not None:
         for name in shm.list_segments(f"rld{os.getuid()}-{pid}-"):
             shm.unlink(name)

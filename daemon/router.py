@@ -60,10 +60,10 @@ from rolloutd.native_io.errors import (
     SandboxLost,
     ShuttingDown,
 )
-from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
-from .curve import CurveServer, SocketEvents
+from .curve import CurveServer
 from .router_broadcast import REPLAY_PREFIX, TYPE_ERROR, Broadcast, BroadcastOps, InferenceSetup, as_bytes
 from .router_config import RouterConfig
 from .router_dispatch import Hints, NodeEntry, pick_node, routing_hints

@@ -41,11 +41,12 @@ from rolloutd.client.wire import (
 )
 from rolloutd.native_io import framing
 from rolloutd.native_io.errors import RolloutdError
-from rolloutd.native_io.zmq_loop import LoopSocket
+from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import make_socket
 
 from .config import NodeConfig
-from .curve import CurveClient, SocketEvents, watch_handshakes
+from .curve import CurveClient, watch_handshakes
+from .run_lock import running_pid
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +226,9 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def drain_node(config: NodeConfig, pidfile: Path, *, resume: bool, wait_s: float) -> int:
+def drain_node(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
     """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    from .lifecycle import daemon_pid
-
-    pid = daemon_pid(pidfile)
+    pid = running_pid(config.run_path, "node")
     state = read_state(config.run_path)
     if pid is None:
         raise RolloutdError(f"no node daemon running for {config.run_path}")

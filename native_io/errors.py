@@ -80,6 +80,19 @@ class DaemonUnavailable(RolloutdError, ConnectionError):
     code = "DAEMON_UNAVAILABLE"
 
 
+class DaemonLost(RolloutdError, ConnectionError):
+    """The daemon went away (its connection closed, or it stopped answering heartbeats) while
+    this call was pending; what it was doing is lost."""
+
+    code = "DAEMON_LOST"
+
+
+class DaemonRunning(RolloutdError, RuntimeError):
+    """Another daemon of the same kind already holds this run folder."""
+
+    code = "DAEMON_RUNNING"
+
+
 class WorkerLost(RolloutdError, RuntimeError):
     """The worker that was running this request died; the request may have had side effects."""
 

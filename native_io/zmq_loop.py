@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +103,26 @@ def _recv_message(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
         frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
     return frames
+
+
+class SocketEvents:
+    """Calls ``on_event(event)`` (``zmq.utils.monitor`` dicts) for ``events`` of ``sock``, read on the loop.
+
+    Close it before the socket's context is terminated.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], events: int, on_event: Callable[[Any], None]) -> None:
+        self.sock = sock
+        self.on_event = on_event
+        self.monitor = LoopSocket(sock.get_monitor_socket(events),
+                                  lambda frames: on_event(parse_monitor_message([f.bytes for f in frames])))
+
+    def catch_up(self) -> None:
+        """Handle the events already queued, now: a loop that only runs during calls (the blocking
+        client's) must not take an event from before a call for one that happened during it."""
+        self.monitor._drain()
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+        self.monitor.close()

@@ -15,6 +15,8 @@ import zmq
 
 from daemon_fixtures import router_daemon, start_nodes, stop_node
 from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.config import NodeConfig
+from rolloutd.daemon.sandbox_user import workers_dir
 from rolloutd.client.wire import MsgType
 from rolloutd.native_io import framing
 
@@ -60,6 +62,11 @@ class Federation:
 
     def node_of(self, run_dir: str) -> int:
         return [str(d) for d in self.node_dirs].index(run_dir)
+
+    @property
+    def sandbox_dirs(self) -> list[str]:
+        """Where each node's sandboxes live on the host (outside the run folder under root)."""
+        return [str(workers_dir(NodeConfig(run_dir=str(d)))) for d in self.node_dirs]
 
 
 @contextlib.contextmanager

@@ -117,8 +117,8 @@ async def test_batch_spreads_over_nodes_with_arrays_as_frames(fed3: Federation) 
 def test_sandbox_ops_follow_their_sandbox(fed3: Federation) -> None:
     with RolloutClient(fed3.address) as c:
         boxes = [c.open_sandbox(ipython=False) for _ in range(3)]
-        homes = {b.run("pwd").output.split("/workers/")[0] for b in boxes}
-        assert homes == {str(d) for d in fed3.node_dirs}, "sandboxes count as load: one per node"
+        homes = {b.run("pwd").output.rsplit("/w0/", 1)[0] for b in boxes}
+        assert homes == set(fed3.sandbox_dirs), "sandboxes count as load: one per node"
         assert fed3.status()["sandboxes"] == 3
         for b in boxes:
             assert b.run("echo $((6*7))").output == "42\n"
@@ -155,10 +155,10 @@ def test_repeated_ids_get_one_answer_and_same_instance_one_node(fed3: Federation
         trainer.close()
 
 
-def _located(iid: str, commands: list[str]) -> RolloutRequest:
+def _located(fed: Federation, iid: str, commands: list[str]) -> RolloutRequest:
     """A real rollout (script agent, inline command task) whose reward is the index of the node
-    folder it ran in."""
-    where = " ".join(f"*/n{i}/*) echo {i};;" for i in range(3))
+    whose sandbox folder it ran in."""
+    where = " ".join(f"{d}/*) echo {i};;" for i, d in enumerate(fed.sandbox_dirs))
     record = {"type": "command", "instance_id": iid, "eval_script": f'case "$PWD" in {where} *) echo 9;; esac'}
     return RolloutRequest(task=record, agent="script", agent_config={"commands": commands}, ipython=False)
 
@@ -166,7 +166,7 @@ def _located(iid: str, commands: list[str]) -> RolloutRequest:
 async def test_rollouts_of_one_task_stay_on_one_node(fed3: Federation) -> None:
     async with AsyncRolloutClient(fed3.address, timeout_s=60) as c:
         # Two requests per task instance, interleaved; each node has two slots.
-        ids = await c.submit([_located(iid, ["sleep 0.2"]) for iid in ("alpha", "beta", "gamma") * 2])
+        ids = await c.submit([_located(fed3, iid, ["sleep 0.2"]) for iid in ("alpha", "beta", "gamma") * 2])
         results = await c.results(ids, timeout_s=60)
     by_task: dict[str, set[float]] = collections.defaultdict(set)
     for rid, result in results.items():
@@ -190,7 +190,7 @@ def test_node_killed_mid_batch_every_trajectory_answered_once(short_tmp: Path) -
         try:
             ids = [f"k{i}" for i in range(12)]
             for rid in ids:  # six start at once (two per node), six wait at the router
-                trainer.send(rid, "rollout", _located(rid, ["sleep 0.6"]).to_args())
+                trainer.send(rid, "rollout", _located(fed, rid, ["sleep 0.6"]).to_args())
             _wait_state(fed, str(fed.node_dirs[1]), "ready", busy=True)
             os.kill(fed.node_pid(1), signal.SIGKILL)
             answers = trainer.collect(ids, timeout_s=60, linger_s=1.0)
