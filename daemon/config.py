@@ -45,6 +45,9 @@ class NodeConfig:
     it on its first cell (0.7-0.9 s then), and a rollout that never calls IPython never pays for one."""
     sandbox_max_age_s: float = 3600.0
     """An idle warm sandbox older than this is replaced."""
+    sandbox_user: str = "rolloutd-sandbox"
+    """When the daemon runs as root, the unprivileged user its workers and so every sandbox run as
+    (``scripts/add-sandbox-user`` creates it); ignored for a daemon started by an ordinary user."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest message accepted, all frames together (bytes)."""
     shm_lease_timeout_s: float = 30.0

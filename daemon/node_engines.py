@@ -2,8 +2,9 @@
 
 Started by the supervisor before its workers, in the vLLM environment when this one has no vLLM
 (:func:`rolloutd.daemon.inference.vllm_server.vllm_python`); each spec in the node config is then
-replaced by ``vllm-engine+ipc://RUN_DIR/engine-N.sock``, so every worker's pool talks to the one
-engine instead of loading the model again. "Ready" is the host's ``READY`` line, printed once the
+replaced by ``vllm-engine+ipc://WORKERS_DIR/engine-N.sock`` (in the workers' folder, and theirs:
+workers of a root daemon run as the sandbox user), so every worker's pool talks to the one engine
+instead of loading the model again. "Ready" is the host's ``READY`` line, printed once the
 engine passed a health probe. Stopped after the workers: SIGTERM to the host's process group
 (vLLM's engine core is a child), then SIGKILL; the rung reached is kept in ``stop_rungs``.
 """
@@ -23,6 +24,7 @@ from rolloutd.native_io.errors import ConfigError, InferenceError
 
 from .config import NodeConfig
 from .inference.engine_client import SPEC_PREFIX
+from .sandbox_user import SandboxUser
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +32,10 @@ INPROCESS_PREFIX = "vllm-inprocess:"
 
 
 class NodeEngines:
-    def __init__(self, config: NodeConfig, run_dir: Path) -> None:
+    def __init__(self, config: NodeConfig, socket_dir: Path, workers_user: SandboxUser | None) -> None:
         self.config = config
-        self.run_dir = run_dir
+        self.socket_dir = socket_dir
+        self.workers_user = workers_user
         self.procs: list[asyncio.subprocess.Process] = []
         self.stop_rungs: list[str] = []
 
@@ -51,8 +54,8 @@ class NodeEngines:
             model = spec.removeprefix(INPROCESS_PREFIX)
             if not model:
                 raise ConfigError("vllm-inprocess: needs a model path or name, e.g. vllm-inprocess:/models/qwen")
-            socket_path = self.run_dir / f"engine-{i}.sock"
-            log_path = self.run_dir / f"engine-{i}.log"
+            socket_path = self.socket_dir / f"engine-{i}.sock"
+            log_path = self.config.run_path / f"engine-{i}.log"
             with open(log_path, "ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
                     self._python(), "-m", "rolloutd.daemon.inference.engine_host", "--model", model, "--socket",
@@ -75,6 +78,8 @@ class NodeEngines:
                 tail = log_path.read_text(errors="replace").splitlines()[-10:]
                 raise InferenceError(f"the node's vLLM engine for {model} {why}; its log {log_path}:\n"
                                      + "\n".join(tail))
+            if self.workers_user is not None:
+                os.chown(socket_path, self.workers_user.uid, self.workers_user.gid)
             specs[i] = f"{SPEC_PREFIX}ipc://{socket_path}"
             log.info("vLLM engine for %s serves the node's workers at %s (pid %d)", model, socket_path, proc.pid)
 

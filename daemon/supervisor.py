@@ -43,6 +43,7 @@ from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import (
     BadRequest,
     Cancelled,
+    ConfigError,
     PermissionDenied,
     RolloutdError,
     SandboxLost,
@@ -58,6 +59,9 @@ from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_c
 from .config import NodeConfig
 from .node_engines import NodeEngines
 from .reaper import reap_state_dir
+from .sandbox.apptainer import apptainer_available
+from .sandbox.images import cache_dir, resolve_image
+from .sandbox_user import own_folder, prepare_workers_dir, sandbox_user, workers_dir
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +148,10 @@ class Supervisor:
             from .router_link import RouterLink
 
             self.extensions.append(RouterLink(config))
-        self.engines = NodeEngines(config, self.run_dir)
+        self.sandbox_user = sandbox_user(config)
+        """Whom the workers run as (None: as this process); see :mod:`sandbox_user`."""
+        self.workers_dir = workers_dir(config)
+        self.engines = NodeEngines(config, self.workers_dir, self.sandbox_user)
         """The node's shared vLLM engines, started before the workers, stopped after them."""
         self.curve: Any = None
         """The ZAP handler guarding ``self.tcp`` (closed after it, before the context)."""
@@ -158,6 +165,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         try:
+            prepare_workers_dir(self.config, self.sandbox_user)
+            await self._check_workers_can_start()
             await self.engines.start()
             async with asyncio.TaskGroup() as tg:
                 for w in self.workers.values():
@@ -227,12 +236,40 @@ class Supervisor:
         self.ctx.term()
         with contextlib.suppress(FileNotFoundError):
             self.config.socket_path.unlink()
-        shutil.rmtree(self.run_dir / "workers", ignore_errors=True)
+        shutil.rmtree(self.workers_dir, ignore_errors=True)
 
     # --- workers ---------------------------------------------------------------------------
 
     def _worker_state(self, index: int) -> Path:
-        return self.run_dir / "workers" / f"w{index}"
+        return self.workers_dir / f"w{index}"
+
+    def _worker_shm_prefix(self, w: WorkerHandle) -> str:
+        return f"{self.shm_prefix}w{w.index}g{w.generation}-"
+
+    def _as_workers_user(self, argv: list[str]) -> list[str]:
+        """``argv`` run as the workers' user (uvloop's subprocesses take no ``user=``)."""
+        return argv if self.sandbox_user is None else self.sandbox_user.run_as(argv)
+
+    async def _check_workers_can_start(self) -> None:
+        """A worker its user cannot even import would only crash-loop: say why, once, at start.
+        The default image is built here, if it must be, since that needs root."""
+        if self.sandbox_user is None:
+            return
+        if self.config.image == "default" and self.config.backend != "local" and apptainer_available():
+            await resolve_image("default")  # building it needs root, which the workers have not
+        images = cache_dir() / "images"
+        probe = await asyncio.create_subprocess_exec(
+            *self._as_workers_user([
+                sys.executable, "-c", "import os, sys, rolloutd.daemon.worker; sys.argv[1] and os.listdir(sys.argv[1])",
+                str(images) if images.is_dir() else ""]),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/")
+        _, err = await asyncio.wait_for(probe.communicate(), 120)
+        if probe.returncode != 0:
+            raise ConfigError(
+                f"the workers run as the unprivileged user {self.sandbox_user.name!r} (sandbox_user), who cannot "
+                f"run rolloutd from {sys.executable} or read the image cache {images}: make them readable by that "
+                f"user (chmod -R o+rX on them, o+x on every parent folder; ROLLOUTD_CACHE_DIR moves the cache). "
+                f"Its error: {err.decode(errors='replace')[-600:]}")
 
     async def _run_worker(self, w: WorkerHandle) -> None:
         """Start the worker, and restart it whenever it dies, until shutdown."""
@@ -241,12 +278,19 @@ class Supervisor:
             state = self._worker_state(w.index)
             await asyncio.to_thread(reap_state_dir, state)
             state.mkdir(mode=0o700, parents=True, exist_ok=True)
+            own_folder(state, self.sandbox_user)
+            if self.sandbox_user is not None:
+                # Root's home is closed to that user: tools get a home of their own, and the image
+                # cache is named, not found through $HOME.
+                env.update(HOME=str(state), ROLLOUTD_CACHE_DIR=str(cache_dir()))
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 w.proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "rolloutd.daemon.worker", "--index", str(w.index),
-                    "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
-                    "--state-dir", str(state), env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                    *self._as_workers_user([
+                        sys.executable, "-m", "rolloutd.daemon.worker", "--index", str(w.index),
+                        "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
+                        "--state-dir", str(state), "--shm-prefix", self._worker_shm_prefix(w)]),
+                    env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),), cwd="/",
                 )
             finally:
                 theirs.close()
@@ -289,8 +333,7 @@ class Supervisor:
             if idx == w.index:
                 del self.sandbox_owner[sid]
                 self.sandbox_client.pop(sid, None)
-        prefix = f"rld{os.getuid()}-{os.getpid()}-w{w.index}g{w.generation}-"
-        for name in shm.list_segments(prefix):
+        for name in shm.list_segments(self._worker_shm_prefix(w)):
             if name not in self.segments:
                 shm.unlink(name)
         self._flush_queue()

@@ -58,7 +58,9 @@ Handler = Callable[[Any, dict[str, Any]], Awaitable[tuple[dict[str, Any], dict[s
 
 
 class Worker:
-    def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, link_fd: int) -> None:
+    def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, link_fd: int,
+                 shm_prefix: str) -> None:
+        """``shm_prefix`` names this worker's shared-memory segments (the supervisor's scheme)."""
         self.config = config
         self.index = index
         self.generation = generation
@@ -74,7 +76,7 @@ class Worker:
             start_kernels=config.warm_ipython,
         )
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.arena = shm.SegmentArena(f"rld{os.getuid()}-{os.getppid()}-w{index}g{generation}-")
+        self.arena = shm.SegmentArena(shm_prefix)
         self.handlers: dict[str, Handler] = {
             "sandbox.open": self._sandbox_open,
             "sandbox.run": self._sandbox_run,
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generation", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True, help="the supervisor's end of a socketpair")
     p.add_argument("--state-dir", type=Path, required=True)
+    p.add_argument("--shm-prefix", required=True, help="prefix of this worker's shared-memory segment names")
     args = p.parse_args(argv)
     config = NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd)
+    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix)
     t0 = time.monotonic()
     uvloop.run(worker.serve())
     log.info("worker %d stopped after %.1f s", args.index, time.monotonic() - t0)

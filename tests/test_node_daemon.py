@@ -5,18 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from daemon_fixtures import daemon_processes, node_daemon
-from rolloutd.client.async_client import AsyncRolloutClient
+from daemon_fixtures import CLI, daemon_processes, node_daemon
+from privilege_probe import PROBE, assert_unprivileged
+from rolloutd.client.async_client import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.native_io.errors import CommandTimeout, DaemonUnavailable, SandboxLost, WorkerLost
+from rolloutd.daemon.config import NodeConfig
+from rolloutd.daemon.run_lock import running_pid
+from rolloutd.daemon.sandbox_user import workers_dir
+from rolloutd.native_io.errors import CommandTimeout, DaemonLost, DaemonUnavailable, SandboxLost, WorkerLost
 
 
 def test_start_status_stop(short_tmp: Path) -> None:
@@ -121,8 +127,8 @@ def test_apptainer_sandbox_through_daemon(short_tmp: Path) -> None:
 
 @pytest.mark.apptainer
 def test_fork_bomb_is_stopped_by_the_supervisors_census(short_tmp: Path) -> None:
-    # Running as root, RLIMIT_NPROC does not apply: only the watchdog stops this, and on a node it
-    # counts with the census the supervisor takes once for all workers.
+    # RLIMIT_NPROC stops the forks a little past the cap; the watchdog ends the sandbox, and on a
+    # node it counts with the census the supervisor takes once for all workers.
     with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "2", "--warm", "1") as address:
         with RolloutClient(address) as client:
             def own_censuses() -> int:
@@ -139,3 +145,94 @@ def test_fork_bomb_is_stopped_by_the_supervisors_census(short_tmp: Path) -> None
                 time.sleep(1.5)  # workers report their counters once a second
                 assert own_censuses() - before <= 1, "the workers scanned /proc themselves"
             assert sum(w["pool"]["watchdog_kills"] for w in client.status()["workers"]) == 1
+
+
+def _supervisor(run_dir: Path) -> int:
+    pid = running_pid(run_dir, "node")
+    assert pid is not None, f"no node daemon holds {run_dir}"
+    return pid
+
+
+async def _lost_within(call: asyncio.Task[object], limit_s: float) -> float:
+    """Seconds until ``call`` failed with DaemonLost; fails the test past ``limit_s``."""
+    started = time.monotonic()
+    with pytest.raises(DaemonLost, match="went away"):
+        await asyncio.wait_for(call, limit_s)
+    return time.monotonic() - started
+
+
+def test_a_killed_daemon_fails_every_pending_call_with_daemon_lost(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        async def scenario() -> None:
+            async with AsyncRolloutClient(address) as client:  # default timeouts: 600 s and more
+                sb = await client.open_sandbox(ipython=False)
+                running = asyncio.create_task(sb.run("sleep 300"))
+                slow = {"type": "command", "instance_id": "slow-setup", "setup_script": "sleep 300",
+                        "eval_script": "echo 1"}
+                (rid,) = await client.submit([RolloutRequest(task=slow)])
+                await asyncio.sleep(0.5)  # both sent; nothing else would end them for minutes
+                assert not running.done()
+                os.kill(_supervisor(short_tmp), signal.SIGKILL)
+                await _lost_within(running, 10.0)
+                async with asyncio.timeout(10.0):  # named: the rollout's result comes as promptly
+                    results = [r async for r in client.as_completed([rid])]
+                assert isinstance(results[0].error, DaemonLost)
+
+        asyncio.run(scenario())
+
+
+def test_a_frozen_daemon_is_lost_after_the_heartbeat_timeout_and_found_again(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        pid = _supervisor(short_tmp)
+
+        async def scenario() -> None:
+            async with AsyncRolloutClient(address) as client:
+                sb = await client.open_sandbox(ipython=False)
+                running = asyncio.create_task(sb.run("sleep 300"))
+                await asyncio.sleep(0.5)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    waited = await _lost_within(running, HEARTBEAT_TIMEOUT_MS / 1000 + 15.0)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                assert waited >= HEARTBEAT_IVL_MS / 1000  # by the heartbeat, not by a closed connection
+                assert (await client.status(timeout_s=30))["pid"] == pid  # the same client reconnects
+
+        asyncio.run(scenario())
+
+
+@pytest.mark.apptainer
+def test_a_start_reaps_the_instances_a_killed_daemon_left(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address) as client:
+            sb = client.open_sandbox(ipython=False)
+            sb.run("sleep 300 >/dev/null 2>&1 &")
+            sb.run("echo started")
+        states = workers_dir(NodeConfig(run_dir=str(short_tmp)))
+        instance = psutil.Process(int(next(states.glob("*/*/instance.pid")).read_text()))
+        doomed = daemon_processes(_supervisor(short_tmp))
+        for proc in doomed:  # the supervisor and its workers at once: nobody is left to clean up
+            proc.kill()
+        psutil.wait_procs(doomed, timeout=10)
+        assert instance.is_running(), "the instance should outlive a killed daemon (it is its own process)"
+        restart = subprocess.run([*CLI, "node", "start", "--detach", "--run-dir", str(short_tmp), "--backend",
+                                  "apptainer", "--workers", "1", "--warm", "0"], capture_output=True, text=True,
+                                 timeout=180)
+        assert restart.returncode == 0, restart.stderr[-3000:]
+        psutil.wait_procs([instance], timeout=10)
+        assert not instance.is_running()
+        assert "reaped" in (short_tmp / "node.log").read_text()
+    # node_daemon's exit stops the new daemon and checks that nothing is left
+
+
+@pytest.mark.apptainer
+def test_sandboxes_of_a_root_daemon_hold_no_host_privilege(short_tmp: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("covered by test_unprivileged for an ordinary user; this is the root daemon's case")
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address) as client, client.open_sandbox(ipython=False) as sb:
+            output = sb.run(PROBE).output
+            worker_uids = {psutil.Process(w["pid"]).uids().real for w in client.status()["workers"]}
+    user = pwd.getpwnam(NodeConfig().sandbox_user)
+    assert worker_uids == {user.pw_uid}
+    assert_unprivileged(output, user.pw_uid)

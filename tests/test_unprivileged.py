@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from os_users import TEST_USER as USER
+from privilege_probe import assert_unprivileged
 from os_users import ensure_test_user
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.unprivileged]
@@ -43,6 +44,7 @@ def test_sandbox_as_ordinary_user() -> None:
     assert "Permission denied" in lines[1] or "Read-only" in lines[1]
     assert lines[2] == "ws"
     assert seen["kernel_uid"] == str(uid)
+    assert_unprivileged(seen["privileges"], uid)
     assert seen["task_repo"].splitlines() == ["1", "0", "read-only"], seen["task_repo"]
     assert seen["leftover_instances"] == [] and seen["alive_after_close"] == []
     assert seen["state_dir_mode"] == "0o700"

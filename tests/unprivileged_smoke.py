@@ -18,6 +18,7 @@ from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import resolve_task
 
+from privilege_probe import PROBE
 from proc_support import identities, still_running
 
 
@@ -31,6 +32,7 @@ async def main() -> dict[str, object]:
     lease = await pool.lease(spec)
     shell = await lease.run("id -u; touch /usr/forbidden 2>&1; echo ws > /workspace/f && cat /workspace/f")
     kernel = await lease.ipython("import os\nos.getuid()")
+    privileges = await lease.run(PROBE)
     # A task repository copied in by the sandbox itself from the read-only shared folder.
     task = resolve_task("bundled", "wordwrap-001", None)
     await get_task_type("swe").setup(task, lease, cache_dir=backend.shared_dir / "task-cache")
@@ -44,6 +46,7 @@ async def main() -> dict[str, object]:
         "host_uid": os.getuid(),
         "shell_output": shell.output,
         "task_repo": repo.output,
+        "privileges": privileges.output,
         "kernel_uid": kernel.result,
         "leftover_instances": backend.leftover_instances(),
         "alive_after_close": alive,

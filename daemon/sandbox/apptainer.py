@@ -1,8 +1,11 @@
 """The ``apptainer`` backend: one rootless Apptainer instance per sandbox.
 
-- Rootless: as root the default (setuid-style) mode fails on machines that withhold a
-  capability, and container root would hold real host capabilities, so root always adds
-  ``--userns``; an ordinary user needs nothing extra.
+- Rootless: started by an ordinary user, an instance lives in a user namespace that user owns,
+  with no capability on the host. As root no flag gives that (under ``--userns`` container root
+  is still host root), so the node daemon never starts sandboxes as root: its workers run as
+  ``sandbox_user`` (:mod:`rolloutd.daemon.sandbox_user`). Used directly as root (tests, a
+  library caller), this backend adds ``--userns``, which the default mode needs on machines that
+  withhold a capability, and warns that its sandboxes are not contained.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
   ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
@@ -198,6 +201,9 @@ class ApptainerBackend(SandboxBackend):
                 "(scripts/install-apptainer on Debian) or use backend 'local'"
             )
         super().__init__(state_dir)
+        if os.getuid() == 0:
+            log.warning("apptainer sandboxes started by root hold host root's privileges; the node daemon runs "
+                        "them as its sandbox_user instead (rolloutd node start)")
         self.start_timeout_s = start_timeout_s
         self.config_dir = state_dir / "apptainer"
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

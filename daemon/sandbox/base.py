@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 RUN_DIR_INSIDE = "/run/rolloutd"
 WORKSPACE_INSIDE = "/workspace"
 SHARED_INSIDE = "/run/rolloutd-shared"
+NPROC_SLACK = 16
+"""Processes a sandbox may start past ``max_processes`` before forks fail (see limits_prelude)."""
 
 
 @dataclass(frozen=True)
@@ -173,12 +175,16 @@ class Sandbox(abc.ABC):
         """Shell text that applies the process limits to whatever the shell starts next.
 
         RLIMIT_NPROC counts every process of the user, so the limit is set above what the user
-        already runs. The kernel ignores it for root; the watchdog covers that case.
+        already runs, and a little above ``max_processes``: the rlimit stops a fork bomb at once,
+        and the watchdog, which sees the sandbox past its cap, then ends it (SANDBOX_LIMIT) rather
+        than leaving a shell whose forks fail. The kernel ignores it for root; the watchdog covers
+        that case.
         """
         lim = self.spec.limits
         parts = []
         if os.getuid() != 0:
-            parts.append(f"ulimit -u $(( $(ps -U $(id -u) -o pid= 2>/dev/null | wc -l) + {lim.max_processes} )) 2>/dev/null")
+            allowed = lim.max_processes + NPROC_SLACK
+            parts.append(f"ulimit -u $(( $(ps -U $(id -u) -o pid= 2>/dev/null | wc -l) + {allowed} )) 2>/dev/null")
         if lim.max_memory_mb is not None:
             parts.append(f"ulimit -v {lim.max_memory_mb * 1024} 2>/dev/null")
         # Make the kernel's OOM killer pick sandbox processes before the daemon.
