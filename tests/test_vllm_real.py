@@ -26,6 +26,7 @@ from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.agents.base import make_agent
 from rolloutd.daemon.agents.context import SandboxAgentContext
+from rolloutd.daemon.config import NodeConfig
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.engine_client import EngineClientBackend
 from rolloutd.daemon.inference.factory import make_backend
@@ -36,6 +37,7 @@ from rolloutd.daemon.inference.vllm_weights import push_weights
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox_user import workers_dir
 from rolloutd.native_io.errors import InferenceError
 from vllm_support import FIDELITY, Recompute, perturbed_copy, tiny_model
 
@@ -324,7 +326,8 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
         new_dir = perturbed_copy(model_dir, tmp_path / "ip-2", seed=2)
 
         async def direct() -> tuple[Any, Any]:
-            engine = EngineClientBackend(f"ipc://{short_tmp / 'n' / 'engine-0.sock'}")
+            socket_path = workers_dir(NodeConfig(run_dir=str(short_tmp / "n"))) / "engine-0.sock"
+            engine = EngineClientBackend(f"ipc://{socket_path}")
             try:
                 await engine.discover()
                 assert engine.max_model_len == 8192
