@@ -74,12 +74,14 @@ class RolloutRequest:
     priority: int = 0
     network: bool = False
     ipython: bool = True
+    infra_retries: int = 1
     request_id: str | None = None
 
     def to_args(self) -> dict[str, Any]:
         args = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **{
             k: getattr(self, k) for k in ("n", "agent", "agent_config", "sampling", "timeout_s", "init_timeout_s",
-                                          "run_timeout_s", "eval_timeout_s", "priority", "network", "ipython")}))
+                                          "run_timeout_s", "eval_timeout_s", "priority", "network", "ipython",
+                                          "infra_retries")}))
         return args
 
 
@@ -91,6 +93,16 @@ class RolloutResult:
     """Set when the whole request was refused or failed (e.g. BUSY, an unknown task)."""
     reply: "Reply | None" = None
     """The raw reply: pass the result to ``release`` once the arrays are no longer needed."""
+
+    @property
+    def trainable(self) -> list[Trajectory]:
+        """The trajectories the model ended (``reward_valid``): the ones to train on."""
+        return [t for t in self.trajectories if t.reward_valid]
+
+    @property
+    def shortfall(self) -> int:
+        """Samples without a valid reward even after the daemon's refills (see ``ended_by``)."""
+        return len(self.trajectories) - len(self.trainable)
 
 
 @dataclass

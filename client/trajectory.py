@@ -14,6 +14,9 @@ import numpy as np
 
 FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
                             "error"})
+INFRA_KINDS = frozenset({"sandbox", "inference", "daemon"})
+"""What ``ended_by`` names when infrastructure ended a trajectory: the daemon refills these."""
+ENDED_BY = frozenset({"model", "client", "request", "task", "agent"}) | INFRA_KINDS
 
 
 @dataclass
@@ -78,14 +81,28 @@ class Trajectory:
     unless the history was rewritten (black-box agents) or the template is not append-only."""
     agent: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+    ended_by: str = "model"
+    """Who ended it: ``model`` (its reward is the model's: train on it), ``client`` (cancelled), or
+    what failed: ``request`` (bad input), ``task`` (a broken task, e.g. its set-up failed),
+    ``agent`` (a bug in the agent), or infrastructure: ``sandbox``, ``inference``, ``daemon``.
+    Anything but ``model`` has no valid reward (0.0 is not a score); the cause is in
+    ``error_code`` / ``error_message``."""
 
     def __post_init__(self) -> None:
+        if self.ended_by not in ENDED_BY:
+            raise ValueError(f"trajectory {self.request_id}/{self.sample_index}: ended_by {self.ended_by!r} is "
+                             f"not one of {sorted(ENDED_BY)}")
         n = len(self.response_ids)
         if len(self.response_mask) != n or len(self.response_logprobs) != n:
             raise ValueError(
                 f"trajectory {self.request_id}/{self.sample_index}: response arrays differ in length "
                 f"(ids {n}, mask {len(self.response_mask)}, logprobs {len(self.response_logprobs)})"
             )
+
+    @property
+    def reward_valid(self) -> bool:
+        """The model ended this trajectory, so its reward may be trained on."""
+        return self.ended_by == "model"
 
     @property
     def weight_versions(self) -> list[str]:
@@ -114,6 +131,7 @@ class Trajectory:
             "segments": [list(s) for s in self.segments],
             "agent": self.agent,
             "metrics": dict(self.metrics),
+            "ended_by": self.ended_by,
         }
 
     @classmethod

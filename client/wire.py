@@ -129,6 +129,10 @@ class RolloutArgs:
     network: bool = False
     """Network inside the sandboxes (off by default)."""
     ipython: bool = True
+    infra_retries: int = 1
+    """Times a sample that infrastructure ended (``ended_by`` sandbox, inference or daemon) is run
+    again, within its ``timeout_s``: a batch of n comes back with n samples the model ended, or
+    says which were not (``RolloutResult.shortfall``). 0 turns refills off."""
 
 
 @dataclass

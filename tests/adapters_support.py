@@ -28,6 +28,7 @@ def build(
     reward: float,
     finish_reason: str = "completed",
     sample_index: int = 0,
+    ended_by: str = "model",
 ) -> Trajectory:
     ids, mask, logprobs, turns = [], [], [], []
     for value, tokens in runs:
@@ -54,12 +55,13 @@ def build(
         stage_s={"init": 0.5, "run": 4.0, "eval": 1.5},
         tools={"bash": ToolStats(count=2, total_s=1.25, max_s=1.0)},
         metrics={"tests_passed": len(prompt)},
+        ended_by=ended_by,
     )
 
 
 def trajectories() -> list[Trajectory]:
     """Four shapes: multi-turn ending on the model, single turn, starting and ending on an
-    observation (cut by the token budget), and an empty response (an error)."""
+    observation (cut by the token budget), and an empty response (a sandbox failure)."""
     return [
         build("a", [11, 12, 13, 14, 15], [(1, [21, 22, 23]), (0, [31, 32]), (1, [24, 25, 26, 27])], reward=1.0),
         build("b", [41, 42, 43], [(1, [51, 52])], reward=0.5, sample_index=1),
@@ -67,7 +69,7 @@ def trajectories() -> list[Trajectory]:
             "c", [61, 62, 63, 64, 65, 66, 67], [(0, [71]), (1, [81, 82]), (0, [72, 73, 74])],
             reward=-0.25, finish_reason="max_tokens", sample_index=2,
         ),
-        build("d", [91, 92], [], reward=0.0, finish_reason="error", sample_index=3),
+        build("d", [91, 92], [], reward=0.0, finish_reason="error", sample_index=3, ended_by="sandbox"),
     ]
 
 

@@ -11,7 +11,18 @@ from adapters_support import build, real_module, runs_of, trajectories
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rolloutd.client.adapters import PaddedBatch, collate, length_mask, pad_sequences, position_ids, unpad
+from rolloutd.client.adapters import (
+    PaddedBatch,
+    collate,
+    length_mask,
+    pad_sequences,
+    position_ids,
+    to_nemo_rl_batch,
+    to_openrlhf_agent_outputs,
+    to_skyrl_generator_output,
+    to_verl_agent_loop_outputs,
+    unpad,
+)
 from rolloutd.client.adapters.common import mask_runs, masked_logprobs, model_spans, to_tensor
 from rolloutd.native_io.errors import BadRequest, ConfigError
 
@@ -141,3 +152,18 @@ def test_importing_the_adapters_imports_no_trainer_and_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_infra_failed_samples_are_marked_so_no_trainer_learns_from_them() -> None:
+    good = build("ok", [1, 2], [(1, [3, 4]), (0, [5]), (1, [6])], reward=0.0)  # a real 0: trained on
+    lost = build("lost", [1, 2], [(1, [3, 4]), (0, [5]), (1, [6])], reward=0.0, finish_reason="error",
+                 sample_index=1, ended_by="inference")
+    nemo = to_nemo_rl_batch([good, lost], tensor_type="numpy", use_trainer_class=False)
+    assert nemo["loss_multiplier"].tolist() == [1.0, 0.0]
+    skyrl = to_skyrl_generator_output([good, lost], use_trainer_class=False)
+    assert skyrl["loss_masks"] == [[1, 1, 0, 1], [0, 0, 0, 0]]
+    verl = to_verl_agent_loop_outputs([good, lost], use_trainer_class=False)
+    assert [(o.extra_fields["reward_valid"], o.extra_fields["ended_by"]) for o in verl] == [
+        (True, "model"), (False, "inference")]
+    openrlhf = to_openrlhf_agent_outputs([good, lost])
+    assert [o["extra_logs"]["reward_valid"] for o in openrlhf] == [1.0, 0.0]

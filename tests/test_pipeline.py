@@ -23,7 +23,7 @@ from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
-from rolloutd.native_io.errors import Busy
+from rolloutd.native_io.errors import BadRequest, Busy
 
 API_KEY = "test-key"
 
@@ -181,3 +181,37 @@ async def test_oracle_plan_end_to_end_with_token_fidelity(short_tmp: Path) -> No
         assert t.weight_versions and all(v == "0" for v in t.weight_versions)
         assert t.tools["str_replace_editor"].count >= 1 and t.tools["bash"].count >= 1
         assert "ipython" not in t.tools and t.metrics["kernel_start_s"] == 0.0  # offered, never started
+
+
+async def test_a_sample_infrastructure_ended_is_refilled_and_the_cause_kept(short_tmp: Path) -> None:
+    # The first time only (a marker on the host: the local backend), the set-up runs more processes
+    # than a sandbox may: the watchdog destroys the sandbox under it, which the task cannot help.
+    marker = short_tmp / "died-once"
+    setup = f"if mkdir {marker} 2>/dev/null; then for i in $(seq 600); do sleep 30 & done; wait; fi"
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        (refilled,) = await pipe.run_request("r1", command_args("flaky-shell", setup=setup))
+        assert (refilled.ended_by, refilled.finish_reason, refilled.reward) == ("model", "completed", 1.0)
+        (failure,) = refilled.metrics["infra_failures"]
+        assert failure["ended_by"] == "sandbox" and failure["error_code"], failure
+        assert pipe.counters["refilled"] == 1
+        marker.rmdir()
+        (lost,) = await pipe.run_request("r2", command_args("flaky-shell", setup=setup, infra_retries=0))
+        assert (lost.ended_by, lost.finish_reason, lost.reward_valid) == ("sandbox", "error", False)
+        assert lost.metrics["infra_failures"] == [] and pipe.counters["refilled"] == 1
+
+
+async def test_who_ended_each_sample_is_said_and_only_infrastructure_is_refilled(short_tmp: Path) -> None:
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        (broken_task,) = await pipe.run_request("t", command_args("bad-setup", setup="exit 3"))
+        (zero,) = await pipe.run_request("m", command_args("scored-zero", eval_script="echo 0"))
+        slow = asyncio.ensure_future(pipe.run_request("c", command_args("cancelled", run=["sleep 30"])))
+        await asyncio.sleep(0.5)
+        slow.cancel()
+        (cancelled,) = await slow
+    assert (broken_task.ended_by, broken_task.error_code, broken_task.reward_valid) == ("task", "TASK", False)
+    assert (zero.ended_by, zero.reward, zero.reward_valid) == ("model", 0.0, True)  # a real 0, to train on
+    assert (cancelled.ended_by, cancelled.finish_reason) == ("client", "cancelled")
+    assert pipe.counters["refilled"] == 0
+    with pytest.raises(BadRequest, match="infra_retries"):
+        async with pipeline(short_tmp / "b", PipelineLimits()) as pipe:
+            await pipe.run_request("x", command_args("x", infra_retries=99))

@@ -70,6 +70,14 @@ def mask_runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(e), int(m[s])) for s, e in zip(starts, ends)]
 
 
+def trained_mask(trajectory: Trajectory) -> np.ndarray:
+    """The loss mask a trainer should use: the response mask, or all zeros for a trajectory the
+    model did not end (``reward_valid`` False), so an infrastructure failure never trains as a
+    reward of 0. Drop such samples before grouping (``RolloutResult.trainable``) where you can."""
+    mask = np.asarray(trajectory.response_mask)
+    return mask if trajectory.reward_valid else np.zeros_like(mask)
+
+
 def model_spans(mask: np.ndarray) -> list[tuple[int, int]]:
     """The ``(start, end)`` runs where the mask is 1: the tokens the model generated."""
     return [(s, e) for s, e, v in mask_runs(mask) if v]

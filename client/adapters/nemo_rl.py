@@ -104,8 +104,7 @@ def to_nemo_rl_batch(
 
     Keys: ``message_log``; ``length`` (int64, prompt + response tokens); ``total_reward``
     (float32); ``truncated`` (bool: the token budget ran out); ``loss_multiplier`` (float32, 0.0
-    for trajectories that ended in a rolloutd ``error``: their tokens are not the policy's whole
-    answer); ``idx`` (int64 position in this batch). ``tensor_type`` defaults to torch when
+    for trajectories the model did not end, ``reward_valid`` False: their reward is no score); ``idx`` (int64 position in this batch). ``tensor_type`` defaults to torch when
     NeMo-RL imports (its batches hold torch tensors), else numpy.
     """
     mod = trainer_module(BATCH_MODULE, package=PACKAGE, use_trainer_class=use_trainer_class)
@@ -113,7 +112,7 @@ def to_nemo_rl_batch(
     trajs = as_trajectory_list(trajectories)
     columns = {
         "length": np.array([len(t.prompt_ids) + len(t.response_ids) for t in trajs], dtype=np.int64),
-        "loss_multiplier": np.array([0.0 if t.finish_reason == "error" else 1.0 for t in trajs], dtype=np.float32),
+        "loss_multiplier": np.array([1.0 if t.reward_valid else 0.0 for t in trajs], dtype=np.float32),
         "total_reward": np.array([t.reward for t in trajs], dtype=np.float32),
         "truncated": np.array([hit_token_limit(t) for t in trajs], dtype=np.bool_),
         "idx": np.arange(len(trajs), dtype=np.int64),

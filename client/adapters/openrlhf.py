@@ -129,7 +129,7 @@ def to_openrlhf_agent_outputs(
             "action_ranges": action_ranges(t),
             "rollout_log_probs": observation_log_probs(t).tolist(),
             "truncated": hit_token_limit(t),
-            "extra_logs": {},
+            "extra_logs": {"reward_valid": float(t.reward_valid)},
         }
         for t, prompt, label in zip(trajs, prompt_texts, label_texts)
     ]

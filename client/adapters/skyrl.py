@@ -23,6 +23,7 @@ from rolloutd.client.adapters.common import (
     masked_logprobs,
     model_spans,
     stage_times,
+    trained_mask,
     trainer_module,
 )
 from rolloutd.client.trajectory import Trajectory
@@ -116,7 +117,7 @@ def to_skyrl_generator_output(
     trajs = as_trajectory_list(trajectories)
 
     responses = [np.asarray(t.response_ids).tolist() for t in trajs]
-    loss_masks = [np.asarray(t.response_mask).tolist() for t in trajs]
+    loss_masks = [trained_mask(t).tolist() for t in trajs]
     rewards = [float(t.reward) for t in trajs]
     times = [stage_times(t) for t in trajs]
     recorded = all(t.stage_s for t in trajs)

@@ -108,6 +108,8 @@ def _extra_fields(trajectory: Trajectory) -> dict[str, Any]:
         "sample_index": trajectory.sample_index,
         "finish_reason": trajectory.finish_reason,
         "weight_versions": trajectory.weight_versions,
+        "reward_valid": trajectory.reward_valid,
+        "ended_by": trajectory.ended_by,
     }
 
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.client.trajectory import INFRA_KINDS, Trajectory
 from rolloutd.client.wire import RolloutArgs
-from rolloutd.native_io.errors import Busy, OperationTimeout, RolloutdError
+from rolloutd.native_io.errors import BadRequest, Busy, OperationTimeout, RolloutdError
 
 from ..agents.base import AgentOutcome, make_agent
 from ..agents.context import SandboxAgentContext
@@ -34,6 +34,7 @@ from ..sandbox.pool import Lease, WarmPool
 from ..tasks.base import EvalResult, Task, get_task_type
 from ..tasks.datasets import resolve_task
 from .clock import StageClock
+from .ended_by import ended_by
 from .gates import StageGate
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class RolloutPipeline:
         self.gates = {"init": StageGate("init", limits.init), "run": StageGate("run", limits.run),
                       "eval": StageGate("eval", limits.eval)}
         self.admitted = 0
-        self.counters = {"samples": 0, "completed": 0, "timeouts": 0, "cancelled": 0, "errors": 0}
+        self.counters = {"samples": 0, "completed": 0, "timeouts": 0, "cancelled": 0, "errors": 0, "refilled": 0}
 
     def stats(self) -> dict[str, Any]:
         return {"stages": {name: g.stats() for name, g in self.gates.items()}, "admitted": self.admitted,
@@ -78,10 +79,13 @@ class RolloutPipeline:
         if self.admitted + args.n > self.limits.queue:
             raise Busy(f"this worker already holds {self.admitted} samples of its queue limit {self.limits.queue} "
                        "(queue_limit); retry later, submit to another node, or raise queue_limit")
+        if not 0 <= args.infra_retries <= MAX_INFRA_RETRIES:
+            raise BadRequest(f"infra_retries must be between 0 and {MAX_INFRA_RETRIES}, got {args.infra_retries}")
         make_agent(args.agent, args.agent_config)  # refuse unknown agents/config before any sandbox starts
         self.admitted += args.n
         started = asyncio.Event()
-        samples = [asyncio.ensure_future(self._sample(request_id, i, task, args, started)) for i in range(args.n)]
+        samples = [asyncio.ensure_future(self._refilled_sample(request_id, i, task, args, started))
+                   for i in range(args.n)]
         if on_start is not None:
             waiter = asyncio.ensure_future(started.wait())
             waiter.add_done_callback(lambda f: on_start() if not f.cancelled() else None)
@@ -101,10 +105,31 @@ class RolloutPipeline:
             if on_start is not None:
                 waiter.cancel()
 
+    async def _refilled_sample(self, request_id: str, index: int, task: Task, args: RolloutArgs,
+                               started: asyncio.Event) -> Trajectory:
+        """One sample, run again (fresh sandbox, same sampling) while infrastructure ended it, up to
+        ``infra_retries`` times within its ``timeout_s`` of stage time; each failed attempt's cause
+        is kept in ``metrics["infra_failures"]``."""
+        budget_s = args.timeout_s
+        failures: list[dict[str, Any]] = []
+        while True:
+            trajectory = await self._sample(request_id, index, task, args, started, budget_s)
+            budget_s -= sum(trajectory.stage_s.values())
+            if (trajectory.ended_by not in INFRA_KINDS or len(failures) >= args.infra_retries
+                    or budget_s <= 0):
+                break
+            failures.append({"ended_by": trajectory.ended_by, "error_code": trajectory.error_code,
+                             "error_message": trajectory.error_message})
+            self.counters["refilled"] += 1
+            log.warning("sample %s/%d ended by %s (%s); refilling it", request_id, index, trajectory.ended_by,
+                        trajectory.error_code)
+        trajectory.metrics["infra_failures"] = failures
+        return trajectory
+
     async def _sample(self, request_id: str, index: int, task: Task, args: RolloutArgs,
-                      started: asyncio.Event) -> Trajectory:
+                      started: asyncio.Event, budget_s: float) -> Trajectory:
         self.counters["samples"] += 1
-        clock = StageClock(args.timeout_s)
+        clock = StageClock(budget_s)
         task_type = get_task_type(task.type)
         spec = SandboxSpec(image=task.image if task.image != "default" else self.image,
                            network=args.network, ipython=args.ipython, binds=self.binds)
@@ -158,8 +183,9 @@ class RolloutPipeline:
         if finish == "completed":
             self.counters["completed"] += 1
             finish = outcome.finish_reason if outcome is not None else "error"
+        stage = clock.events[-1][0] if clock.events else None
         return _trajectory(request_id, index, task, args, outcome, evaluation, finish, error, clock,
-                           lease.kernel_start_s if lease is not None else 0.0)
+                           lease.kernel_start_s if lease is not None else 0.0, ended_by(finish, error, stage))
 
     @contextlib.asynccontextmanager
     async def _stage(self, clock: StageClock, name: str, priority: int, limit_s: float, grace_s: float = 0.0) -> Any:
@@ -173,6 +199,9 @@ class RolloutPipeline:
         finally:
             gate.release()
 
+
+MAX_INFRA_RETRIES = 5
+"""More refills than this only hide a node that is broken."""
 
 RUN_GRACE_S = 5.0
 """How long past its deadline an agent may take to hand back its trajectory before it is cut off."""
@@ -194,12 +223,12 @@ def _sampling(args: RolloutArgs, index: int) -> SamplingParams:
     try:
         return SamplingParams(**params)
     except (TypeError, ValueError) as e:
-        raise RolloutdError(f"invalid sampling params {params}: {e}") from e
+        raise BadRequest(f"invalid sampling params {params}: {e}") from e
 
 
 def _trajectory(request_id: str, index: int, task: Task, args: RolloutArgs, outcome: AgentOutcome | None,
                 evaluation: EvalResult | None, finish: str, error: RolloutdError | None, clock: StageClock,
-                kernel_start_s: float) -> Trajectory:
+                kernel_start_s: float, ended: str) -> Trajectory:
     empty_i = np.zeros(0, dtype=np.int32)
     o = outcome
     metrics: dict[str, Any] = {**(o.metrics if o else {}), "created_at": time.time(), "kernel_start_s": kernel_start_s,
@@ -225,5 +254,6 @@ def _trajectory(request_id: str, index: int, task: Task, args: RolloutArgs, outc
         segments=list(o.segments) if o else [],
         agent=args.agent,
         metrics=metrics,
+        ended_by=ended,
     )
 
