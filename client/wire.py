@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -370,6 +371,8 @@ def _check(tp: Any, value: Any, where: str) -> Any:
         return from_fields(tp, value, where=where)  # type: ignore[arg-type]
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # NaN compares false with every limit: it would mean none
+                raise BadRequest(f"{where}: must be a finite number, got {value!r}")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

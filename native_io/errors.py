@@ -128,6 +128,13 @@ class SandboxLost(SandboxError):
     code = "SANDBOX_LOST"
 
 
+class SandboxLimit(SandboxLost):
+    """The sandbox went over one of its caps (the message names it) and was ended; the node's
+    other sandboxes were not touched."""
+
+    code = "SANDBOX_LIMIT"
+
+
 class ImageError(SandboxError):
     code = "IMAGE"
 

@@ -22,7 +22,14 @@ from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.config import NodeConfig
 from rolloutd.daemon.run_lock import running_pid
 from rolloutd.daemon.sandbox_user import workers_dir
-from rolloutd.native_io.errors import CommandTimeout, DaemonLost, DaemonUnavailable, SandboxLost, WorkerLost
+from rolloutd.native_io.errors import (
+    CommandTimeout,
+    DaemonLost,
+    DaemonUnavailable,
+    SandboxLimit,
+    SandboxLost,
+    WorkerLost,
+)
 
 
 def test_start_status_stop(short_tmp: Path) -> None:
@@ -140,7 +147,7 @@ def test_fork_bomb_is_stopped_by_the_supervisors_census(short_tmp: Path) -> None
                 with pytest.raises(SandboxLost):
                     # 600 sleepers, over the default limit of 512; the sandbox is destroyed under it.
                     sb.run("for i in $(seq 600); do sleep 60 & done; wait", timeout_s=60)
-                with pytest.raises(SandboxLost, match="max_processes"):
+                with pytest.raises(SandboxLimit, match="max_processes"):
                     sb.run("echo hi")
                 time.sleep(1.5)  # workers report their counters once a second
                 assert own_censuses() - before <= 1, "the workers scanned /proc themselves"

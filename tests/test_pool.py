@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
+from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
-from rolloutd.native_io.errors import SandboxLost, SessionError
+from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
 
 
 async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:
@@ -169,3 +172,24 @@ async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend)
         assert pool.counters["own_censuses"] > 0 and not healthy.lost_reason
     finally:
         await pool.close()
+
+
+async def test_a_full_disk_is_a_clear_error_before_a_sandbox_starts(short_tmp: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    state = short_tmp / "small"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(state)], check=True)
+    try:
+        pool = WarmPool(LocalBackend(state), warm_specs={})
+        await pool.start()
+        try:
+            with pytest.raises(SandboxStartError, match="min_free_disk_mb=64"):
+                await pool.lease(SandboxSpec(ipython=False, limits=SandboxLimits(min_free_disk_mb=64)))
+            lease = await pool.lease(SandboxSpec(ipython=False, limits=SandboxLimits(min_free_disk_mb=4)))
+            assert (await lease.run("echo fits")).output == "fits\n"
+            await pool.release(lease)
+        finally:
+            await pool.close()
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=True)

@@ -59,11 +59,24 @@ def test_specific_bad_messages_get_specific_errors(short_tmp: Path) -> None:
                 ([b"\x01", header(id="h", op="sandbox.run", args={"sandbox_id": "nope", "command": "ls"})],
                  "SANDBOX_LOST"),
             ]
+            named = [  # a bad value is refused naming its field, before anything runs
+                (header(id="j", op="sandbox.run", args={"sandbox_id": "x", "command": "ls", "timeout_s": float("nan")}),
+                 "args.timeout_s"),
+                (header(id="k", op="rollout", args={"task": {"instance_id": "wordwrap-001"}, "timeout_s": float("inf")}),
+                 "args.timeout_s"),
+                (header(id="l", op="rollout", args={"task": {"instance_id": "wordwrap-001"}, "n": -1}), "n must be"),
+                (header(id="m", op="rollout", args={"task": {"instance_id": "wordwrap-001"}, "infra_retries": 50}),
+                 "infra_retries"),
+            ]
+            cases += [([b"\x01", h], "BAD_REQUEST") for h, _ in named]
             for frames, code in cases:
                 answer = peer.ask(frames)
                 assert answer is not None, f"no answer to {frames[:2]!r}"
                 assert answer[0] == 3 and answer[1]["code"] == code, (frames[:2], answer)
                 assert answer[1]["message"]
+            for h, field_name in named:
+                answer = peer.ask([b"\x01", h])
+                assert answer is not None and field_name in answer[1]["message"], answer
             ok = peer.ask([b"\x01", header(id="i", op="status", args={})])
             assert ok is not None and ok[0] == 2 and ok[1]["id"] == "i"
         finally:
@@ -74,7 +87,7 @@ def test_fuzzed_frames_never_kill_the_daemon(short_tmp: Path) -> None:
     with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
         peer = RawPeer(address)
         seen = {"answers": 0}
-        values = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False), st.text(max_size=20),
+        values = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
                            st.binary(max_size=20), st.lists(st.integers(-1000, 1000), max_size=3))
         headers = st.one_of(
             st.binary(max_size=64),

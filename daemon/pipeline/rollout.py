@@ -75,7 +75,7 @@ class RolloutPipeline:
         """All ``n`` samples of one request; ``on_start`` runs once, when the first sample enters a stage."""
         task = resolve_task(args.task.dataset, args.task.instance_id, args.task.inline)
         if args.n < 1 or args.n > self.limits.queue:
-            raise RolloutdError(f"n must be between 1 and {self.limits.queue} (queue_limit), got {args.n}")
+            raise BadRequest(f"n must be between 1 and {self.limits.queue} (queue_limit), got {args.n}")
         if self.admitted + args.n > self.limits.queue:
             raise Busy(f"this worker already holds {self.admitted} samples of its queue limit {self.limits.queue} "
                        "(queue_limit); retry later, submit to another node, or raise queue_limit")

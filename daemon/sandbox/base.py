@@ -45,6 +45,9 @@ class SandboxLimits:
     and the watchdog destroys the sandbox (every mode)."""
     max_memory_mb: int | None = 8192
     """Address-space limit per process inside the sandbox (RLIMIT_AS); None for no limit."""
+    min_free_disk_mb: int = 256
+    """A sandbox does not start while its backend's folder has less free space than this: a
+    clear error then, where a full disk would fail every sandbox half-way with ENOSPC."""
 
     def __post_init__(self) -> None:
         if self.command_timeout_s <= 0:
@@ -53,6 +56,8 @@ class SandboxLimits:
             raise ConfigError(f"max_output_bytes must be >= 1024, got {self.max_output_bytes}")
         if self.max_processes < 8:
             raise ConfigError(f"max_processes must be >= 8, got {self.max_processes}")
+        if self.min_free_disk_mb < 0:
+            raise ConfigError(f"min_free_disk_mb must be >= 0, got {self.min_free_disk_mb}")
         if self.max_memory_mb is not None and self.max_memory_mb < 64:
             raise ConfigError(f"max_memory_mb must be >= 64 or None, got {self.max_memory_mb}")
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
+from rolloutd.native_io.errors import SandboxLimit, SandboxLost, SandboxStartError, SessionError
 from rolloutd.native_io.procfs import CENSUS_INTERVAL_S
 from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
 
@@ -49,6 +50,8 @@ class Lease:
     created_at: float = field(default_factory=time.monotonic)
     leased_at: float | None = None
     lost_reason: str | None = None
+    lost_limit: str | None = None
+    """The cap (e.g. ``max_processes``) a sandbox lost to the watchdog went over."""
     sandbox_stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     """Set once the sandbox is stopped: nothing it ran is alive. ``lost_reason`` comes first (new
     commands are refused at once); the stop of a lost lease follows in the background."""
@@ -63,7 +66,8 @@ class Lease:
 
     def _check(self) -> None:
         if self.lost_reason:
-            raise SandboxLost(f"sandbox {self.id} is gone: {self.lost_reason}")
+            error = SandboxLimit if self.lost_limit else SandboxLost
+            raise error(f"sandbox {self.id} is gone: {self.lost_reason}")
 
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
         self._check()
@@ -289,6 +293,7 @@ class WarmPool:
 
     async def _start_one(self, spec: SandboxSpec, *, background: bool = False) -> Lease:
         async with self._start_slots:
+            self._check_free_space(spec.limits.min_free_disk_mb)
             sandbox = self.backend.create(spec)
             sandbox.background = background
             try:
@@ -360,6 +365,7 @@ class WarmPool:
                 limit = lease.sandbox.spec.limits.max_processes
                 count = lease.sandbox.process_count(census)
                 if count > limit and not lease.lost_reason:
+                    lease.lost_limit = "max_processes"
                     lease.lost_reason = (
                         f"it ran {count} processes, over its limit of {limit} (max_processes), "
                         "and was destroyed"
@@ -370,6 +376,15 @@ class WarmPool:
                         with contextlib.suppress(ValueError):
                             queue.remove(lease)
                     await lease.stop_sandbox()
+
+    def _check_free_space(self, needed_mb: int) -> None:
+        st = os.statvfs(self.backend.state_dir)
+        free_mb = st.f_bavail * st.f_frsize // 2**20
+        if free_mb < needed_mb:
+            self.counters["start_failures"] += 1
+            raise SandboxStartError(
+                f"no sandbox started: {self.backend.state_dir} has {free_mb} MiB free, under min_free_disk_mb="
+                f"{needed_mb}; free space there (old workspaces, logs) or move the run folder")
 
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
