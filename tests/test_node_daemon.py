@@ -160,6 +160,13 @@ def _supervisor(run_dir: Path) -> int:
     return pid
 
 
+async def _running(command: str, count: int, timeout_s: float = 30.0) -> None:
+    """Until ``count`` processes run exactly ``command`` (so a call is under way, not just sent)."""
+    async with asyncio.timeout(timeout_s):
+        while sum(" ".join(p.info["cmdline"] or []) == command for p in psutil.process_iter(["cmdline"])) < count:
+            await asyncio.sleep(0.05)
+
+
 async def _lost_within(call: asyncio.Task[object], limit_s: float) -> float:
     """Seconds until ``call`` failed with DaemonLost; fails the test past ``limit_s``."""
     started = time.monotonic()
@@ -177,7 +184,7 @@ def test_a_killed_daemon_fails_every_pending_call_with_daemon_lost(short_tmp: Pa
                 slow = {"type": "command", "instance_id": "slow-setup", "setup_script": "sleep 300",
                         "eval_script": "echo 1"}
                 (rid,) = await client.submit([RolloutRequest(task=slow)])
-                await asyncio.sleep(0.5)  # both sent; nothing else would end them for minutes
+                await _running("sleep 300", 2)  # the command and the rollout's set-up both run
                 assert not running.done()
                 os.kill(_supervisor(short_tmp), signal.SIGKILL)
                 await _lost_within(running, 10.0)
@@ -196,7 +203,7 @@ def test_a_frozen_daemon_is_lost_after_the_heartbeat_timeout_and_found_again(sho
             async with AsyncRolloutClient(address) as client:
                 sb = await client.open_sandbox(ipython=False)
                 running = asyncio.create_task(sb.run("sleep 300"))
-                await asyncio.sleep(0.5)
+                await _running("sleep 300", 1)
                 os.kill(pid, signal.SIGSTOP)
                 try:
                     waited = await _lost_within(running, HEARTBEAT_TIMEOUT_MS / 1000 + 15.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from rolloutd.client.trajectory import Trajectory
@@ -204,8 +205,10 @@ async def test_who_ended_each_sample_is_said_and_only_infrastructure_is_refilled
     async with pipeline(short_tmp, PipelineLimits()) as pipe:
         (broken_task,) = await pipe.run_request("t", command_args("bad-setup", setup="exit 3"))
         (zero,) = await pipe.run_request("m", command_args("scored-zero", eval_script="echo 0"))
-        slow = asyncio.ensure_future(pipe.run_request("c", command_args("cancelled", run=["sleep 30"])))
-        await asyncio.sleep(0.5)
+        slow = asyncio.ensure_future(pipe.run_request("c", command_args("cancelled", run=["sleep 31"])))
+        async with asyncio.timeout(30):  # until the agent's command runs: the sample is under way
+            while not any(p.info["cmdline"] == ["sleep", "31"] for p in psutil.process_iter(["cmdline"])):
+                await asyncio.sleep(0.05)
         slow.cancel()
         (cancelled,) = await slow
     assert (broken_task.ended_by, broken_task.error_code, broken_task.reward_valid) == ("task", "TASK", False)

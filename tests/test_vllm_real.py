@@ -333,6 +333,8 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
                 assert engine.max_model_len == 8192
                 call = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=6000, ignore_eos=True),
                                                            request_id="ip-abort", timeout_s=300))
+                # Time is what this waits for: the engine exposes no "decoding started" to wait on,
+                # and 6000 tokens take it seconds, so the abort lands mid-generation.
                 await asyncio.sleep(0.5)
                 await engine.abort("ip-abort")
                 aborted = await asyncio.wait_for(call, 60)
