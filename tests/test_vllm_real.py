@@ -39,7 +39,7 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
 from rolloutd.daemon.sandbox_user import workers_dir
 from rolloutd.native_io.errors import InferenceError
-from vllm_support import FIDELITY, Recompute, perturbed_copy, tiny_model
+from vllm_support import FIDELITY, Recompute, abort_until_done, perturbed_copy, tiny_model, wait_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -56,7 +56,8 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VLLMServer(model_dir, max_model_len=WINDOW, log_path=log) as srv:
+    # With its stats on: tests wait on its running-requests gauge before a cancel or a kill.
+    with VLLMServer(model_dir, max_model_len=WINDOW, log_path=log, log_stats=True) as srv:
         yield srv
 
 
@@ -156,12 +157,10 @@ def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> 
         try:
             long = SamplingParams(max_tokens=6000, ignore_eos=True)
             call = asyncio.create_task(be.generate(PROMPT, long, request_id="to-abort", timeout_s=300))
-            await asyncio.sleep(0.5)  # let it start decoding; the abort must then end it early
-            await be.abort("to-abort")
-            aborted = await asyncio.wait_for(call, 60)
+            aborted = await abort_until_done(lambda: be.abort("to-abort"), call)
             # A cancelled call aborts too: the server is free right after (the next call is quick).
             cancelled = asyncio.create_task(be.generate(PROMPT, long, request_id="to-cancel", timeout_s=300))
-            await asyncio.sleep(0.5)
+            await wait_running(server.url)
             cancelled.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
@@ -333,11 +332,7 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
                 assert engine.max_model_len == 8192
                 call = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=6000, ignore_eos=True),
                                                            request_id="ip-abort", timeout_s=300))
-                # Time is what this waits for: the engine exposes no "decoding started" to wait on,
-                # and 6000 tokens take it seconds, so the abort lands mid-generation.
-                await asyncio.sleep(0.5)
-                await engine.abort("ip-abort")
-                aborted = await asyncio.wait_for(call, 60)
+                aborted = await abort_until_done(lambda: engine.abort("ip-abort"), call)
                 await engine.pause("keep")
                 await engine.update_weights(str(new_dir), version="ip-2")
                 await engine.resume()
@@ -375,7 +370,7 @@ def test_slow_health_keeps_the_server_and_a_restart_under_a_turn_is_survived(ser
             # A long turn is in flight (on the pooled keep-alive connection) when the server dies.
             turn = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=3000, ignore_eos=True),
                                                      trajectory_id="r", timeout_s=600))
-            await asyncio.sleep(1.0)
+            await wait_running(server.url)
             server.kill()
             async with await ServerPool.create([VLLMHTTPBackend(server.url)], health_interval_s=0,
                                                server_wait_s=1.0) as gone:
