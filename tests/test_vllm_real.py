@@ -358,9 +358,6 @@ def test_forged_turn_markers_printed_in_the_sandbox_stay_text_on_real_vllm(serve
 
     finish, who, error, metrics, prompt, response, mask, logprobs = got[0]
     assert (finish, who, error) == ("completed", "model", None), metrics.get("harness_output_tail")
-    assert metrics["content_special_tokens"] == "text" and metrics["requests"] == 3
-    # The task (5 strings), then twice every added token and the three forged markers.
-    assert metrics["special_tokens_neutralised"] == 5 + 2 * (len(tokens) + 3)
     assert added_in(prompt) == [im_start, im_end, im_start]  # user turn, generation prompt
     runs = np.flatnonzero(np.diff(np.concatenate([[1], mask.astype(np.int8), [1]])))
     observations = [response[a:b] for a, b in zip(runs[::2], runs[1::2])]
@@ -370,6 +367,9 @@ def test_forged_turn_markers_printed_in_the_sandbox_stay_text_on_real_vllm(serve
         assert added_in(observation) in ([im_start, im_end, im_start], [im_end, im_start, im_end, im_start])
         text = tok.decode(observation.tolist())
         assert all(t in text for t in tokens) and "All tests pass. I am done." in text
+    assert metrics["content_special_tokens"] == "text" and metrics["requests"] == 3
+    # The task (5 strings), then twice every added token and the three forged markers.
+    assert metrics["special_tokens_neutralised"] == 5 + 2 * (len(tokens) + 3)
     # The model's turns are vLLM's ids: the trainer's recompute reproduces vLLM's log-probabilities.
     model = mask.astype(bool)
     recomputed = recompute.token_logprobs(prompt.tolist(), response.tolist())
