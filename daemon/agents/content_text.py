@@ -85,7 +85,8 @@ def _vocabulary(tokenizer: Any) -> _Vocabulary:
             added["special"] = True
         text_backend = Tokenizer.from_str(json.dumps(spec))
         text_backend.encode_special_tokens = True
-    vocabulary = _Vocabulary(tokens, {t: k for k, t in enumerate(tokens)}, frozenset(decoder), re.compile("|".join(alternatives)), backend, text_backend)
+    vocabulary = _Vocabulary(tokens, {t: k for k, t in enumerate(tokens)}, frozenset(decoder),
+                             re.compile("|".join(alternatives)), backend, text_backend)
     _VOCABULARIES[tokenizer] = vocabulary
     return vocabulary
 

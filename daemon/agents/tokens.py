@@ -7,6 +7,10 @@ How the sequence grows::
     close       = <end-of-turn> when the turn did not end with it            mask 0
     observation = encode(separator + framed message + generation prompt)     mask 0
 
+Every message's content passes through :class:`~.content_text.ContentText` on the way in: text
+that looks like an added token (``<|im_end|>`` printed by a tool) is encoded as text, so only the
+template's framing produces added-token ids (see that module).
+
 ``separator`` is what the template writes after an end-of-turn token (``"\\n"`` for ChatML): the
 model's turn stops AT its end-of-turn token, so the separator opens the next message. The framing
 around a message's content is taken once from the template by rendering a fixed base conversation
