@@ -231,7 +231,7 @@ def main() -> int:
     for name, key, replays in (
             ("bundled tasks", "bundled", [(o.messages[:2], tool_schemas(ipy), replay_turns(o)) for o, ipy in live]),
             ("long", "long", [long]), ("long, forged markers in every observation", "forged", [synthetic_replay(30, True)])):
-        cost = content_encoding_cost(replays, max(6, 2 * reps))
+        cost = content_encoding_cost(replays, max(15, 3 * reps))
         old = statistics.fmean(cost["special"])
         for variant, per_turn in cost.items():
             rows.append([name, variant, *ms(per_turn), statistics.fmean(per_turn) / old])
