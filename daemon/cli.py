@@ -41,7 +41,7 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
         "inference_servers": args.inference_server, "log_level": args.log_level,
         "node_name": args.node_name, "router_public_key_file": args.router_public_key_file,
         "router_slots": args.router_slots, "curve_secret_key_file": args.curve_secret_key_file,
-        "curve_allowed_keys_dir": args.curve_allowed_keys_dir,
+        "curve_allowed_keys_dir": args.curve_allowed_keys_dir, "content_special_tokens": args.content_special_tokens,
     }
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
@@ -83,7 +83,7 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         p.set_defaults(func=_cmd_node, workers=None, backend=None, image=None, warm=None, router=None,
                        tcp_bind=None, inference_server=None, log_level=None, node_name=None,
                        router_public_key_file=None, router_slots=None, curve_secret_key_file=None,
-                       curve_allowed_keys_dir=None)
+                       curve_allowed_keys_dir=None, content_special_tokens=None)
         if name == "start":
             p.add_argument("--detach", action="store_true",
                            help="run in the background (new session, output to the log file); return once it answers")
@@ -101,6 +101,8 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
             p.add_argument("--curve-allowed-keys-dir", help="public keys of trainers allowed on --tcp-bind")
             p.add_argument("--tcp-bind", help="also listen on tcp://HOST:PORT (CURVE keys required)")
             p.add_argument("--inference-server", action="append", help="inference server URL (repeatable)")
+            p.add_argument("--content-special-tokens", choices=["text", "reject", "special"],
+                           help="added tokens' text in tool output and other non-model text (default text)")
             p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
             p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
         elif name == "stop":

@@ -89,6 +89,11 @@ class NodeConfig:
     with the ``inference.set_weight_version`` op."""
     tokenizer: str = ""
     """Hugging Face tokenizer folder; empty = the reference policy's bundled tokenizer."""
+    content_special_tokens: Literal["text", "reject", "special"] = "text"
+    """How added tokens' text (``<|im_end|>``) in text the model did not write (tool output, task,
+    a harness's messages) is encoded: ``text``, ``reject`` or ``special``; a request's agent config
+    may override it (README, "Tokens"; the agents' side is ``agents.content_text``, which the
+    config does not import: it would pull the agents into every process that reads a config)."""
     init_concurrency: int = 16
     """Rollouts in the init stage at once (per node)."""
     run_concurrency: int = 256

@@ -115,7 +115,8 @@ class Worker:
                                             weight_version=cfg.inference_weight_version,
                                             server_wait_s=cfg.inference_server_wait_s)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
-                                        cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image)
+                                        cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image,
+                                        content_special_tokens=cfg.content_special_tokens)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
 
     async def serve(self) -> None:

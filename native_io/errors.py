@@ -197,6 +197,14 @@ class TaskError(RolloutdError, ValueError):
     code = "TASK"
 
 
+class SpecialTokenInContent(TaskError):
+    """Text the model did not write (tool output, a task's instructions, a harness's message)
+    holds an added token's text and the trajectory's ``content_special_tokens`` is ``reject``;
+    ``details`` names the ``token`` and the message's ``role``."""
+
+    code = "SPECIAL_TOKEN"
+
+
 class AgentError(RolloutdError, RuntimeError):
     code = "AGENT"
 

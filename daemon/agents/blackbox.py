@@ -46,6 +46,7 @@ from rolloutd.native_io.errors import AgentError, ConfigError
 
 from .base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
 from .codeact import user_prompt
+from .content_text import check_mode
 from .context import SandboxAgentContext
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class BlackBoxConfig:
     template_check: str = "final"
     """As the built-in agent's: check that the chat template is append-only (``every_turn``,
     ``final`` or ``off``)."""
+    content_special_tokens: str | None = None
+    """As the built-in agent's, for every message the harness sends (``text``, ``reject``: the
+    request is refused and the trajectory ends with ``special_token``, ``special``); None: the node's."""
     allow_nonzero_exit: bool = False
     """Treat a harness that exits with a non-zero status as completed instead of an error."""
     output_tail_bytes: int = 4000
@@ -105,6 +109,8 @@ class BlackBoxConfig:
         if self.template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"blackbox agent config: template_check must be one of {TEMPLATE_CHECKS}, "
                               f"got {self.template_check!r}")
+        if self.content_special_tokens is not None:
+            check_mode(self.content_special_tokens, "blackbox agent config: content_special_tokens")
         if not isinstance(self.model_name, str) or not self.model_name or "/" in self.model_name:
             raise ConfigError(f"blackbox agent config: model_name must be a non-empty name without '/', "
                               f"got {self.model_name!r}")
@@ -125,7 +131,8 @@ class BlackBoxAgent(Agent):
         key = secrets.token_urlsafe(24)
         session = ProxySession(lambda ids, n: ctx.generate(ids, max_tokens=n), ctx.tokenizer, model=cfg.model_name,
                                limits=ProxyLimits(cfg.max_requests, cfg.max_context_tokens, cfg.max_tokens_per_turn),
-                               template_check=cfg.template_check)
+                               template_check=cfg.template_check,
+                               content_special_tokens=cfg.content_special_tokens or ctx.content_special_tokens)
         server = OpenAIProxyServer(session, api_key=key, socket_path=folder / "api.sock")
         (folder / "task.md").write_text(user_prompt(ctx))
         env = {**cfg.env, "OPENAI_API_KEY": key, "OPENAI_BASE_URL": "http://localhost/v1",

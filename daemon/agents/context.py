@@ -39,6 +39,8 @@ class SandboxAgentContext:
     """``time.monotonic()`` by which the trajectory must end; None: no deadline."""
     inference_timeout_s: float = 600.0
     """Limit of one model turn, all retries included."""
+    content_special_tokens: str = "text"
+    """The node's default for non-model text holding added tokens' text (agents may override it)."""
 
     def __post_init__(self) -> None:
         if not self.workdir:

@@ -7,6 +7,10 @@ How the sequence grows::
     close       = <end-of-turn> when the turn did not end with it            mask 0
     observation = encode(separator + framed message + generation prompt)     mask 0
 
+Every message's content passes through :class:`~.content_text.ContentText` on the way in: text
+that looks like an added token (``<|im_end|>`` printed by a tool) is encoded as text, so only the
+template's framing produces added-token ids (see that module).
+
 ``separator`` is what the template writes after an end-of-turn token (``"\\n"`` for ChatML): the
 model's turn stops AT its end-of-turn token, so the separator opens the next message. The framing
 around a message's content is taken once from the template by rendering a fixed base conversation
@@ -47,6 +51,7 @@ from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import AgentError, ConfigError
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
+from .content_text import ContentText
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +153,7 @@ class ChatFraming:
             raise ConfigError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
         return text
 
-    def encode_prompt(self, codec: TokenCodec) -> list[int]:
+    def encode_prompt(self, codec: TokenCodec | ContentText) -> list[int]:
         """``codec.encode(prompt_text)``. A framing shared through :func:`framing_for` keeps the
         ids of the text before the first end-of-turn token: the system message and tool list,
         most of a prompt and the same for every rollout of an agent. The end-of-turn token is an
@@ -262,21 +267,25 @@ class TokenLedger:
     """
 
     def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None = None, *,
-                 max_total_tokens: int, template_check: str = "final", window: int | None = None) -> None:
+                 max_total_tokens: int, template_check: str = "final", window: int | None = None,
+                 content: ContentText | None = None) -> None:
         """``max_total_tokens`` is the agent's own budget (a prompt that does not fit it is a
         configuration error); ``window`` the server's context window, which may be smaller: a
-        sequence that reaches it ends the trajectory with finish reason ``context_length``."""
+        sequence that reaches it ends the trajectory with finish reason ``context_length``.
+        ``content`` encodes every message's content (default: a fresh one, special tokens as
+        text); raises SpecialTokenInContent when it rejects the base messages."""
         if template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"template_check must be one of {TEMPLATE_CHECKS}, got {template_check!r}")
         self.codec = TokenCodec(tokenizer)
-        self.framing = framing_for(tokenizer, base, tools, self.codec)
+        self.content = content if content is not None else ContentText(tokenizer)
+        self.framing = framing_for(tokenizer, self.content.escape_messages(base), tools, self.codec)
         self.template_check = template_check
         self.window_binds = window is not None and window < max_total_tokens
         self.max_total_tokens = min(max_total_tokens, window) if window is not None else max_total_tokens
         self._budget = max_total_tokens
         self.messages: list[Message] = [dict(m) for m in base]
         self._n_base = len(base)
-        self.prompt_ids = np.asarray(self.framing.encode_prompt(self.codec), dtype=np.int32)
+        self.prompt_ids = np.asarray(self.framing.encode_prompt(self.content), dtype=np.int32)
         self.ids = GrowingIds(self.prompt_ids.tolist())
         self._n_prompt = len(self.ids)
         self._chunks: list[_Chunk] = []
@@ -285,13 +294,13 @@ class TokenLedger:
         """Response index where each message after the base begins."""
         self._closed = True
         # Template check state: the rendering last verified and how many ids it covered.
-        self._rendered = self.framing.prompt_text
+        self._rendered = self.content.unescape(self.framing.prompt_text)
         self._checked_ids = 0
         self._checked_msgs = len(self.messages)
         self._diverged = False
         self.boundaries: list[int] = []
         self.notes: list[str] = []
-        if template_check == "every_turn" and self.codec.decode(self.ids) != self.framing.prompt_text:
+        if template_check == "every_turn" and self.codec.decode(self.ids) != self._rendered:
             self._diverge(0, "the prompt's tokens do not decode to the rendered prompt (the tokenizer does not "
                              "round-trip it)")
         if self._n_prompt >= self._budget:
@@ -344,8 +353,9 @@ class TokenLedger:
 
     def add_messages(self, messages: list[Message]) -> bool:
         """:meth:`add_message` for several non-assistant messages in a row (parallel tool results,
-        a tool result and a user message), with one generation prompt after the last."""
-        new = self.codec.encode(self.framing.messages_text(messages))
+        a tool result and a user message), with one generation prompt after the last. Raises
+        SpecialTokenInContent, with nothing appended, when ``content`` rejects one."""
+        new = self.content.encode(self.framing.messages_text(self.content.escape_messages(messages)))
         close = [] if self._closed else [self.eot_id]
         if len(close) + len(new) > self.room:
             return False
@@ -467,4 +477,4 @@ class TokenLedger:
             turns=list(self.turns), tools=dict(tools or {}), template_append_only=not self._diverged,
             segments=list(itertools.pairwise(edges)), submitted=submitted,
             messages=[dict(m) for m in self.messages], template_notes=list(self.notes),
-            metrics=dict(metrics or {}))
+            metrics={**self.content.metrics(), **(metrics or {})})

@@ -44,6 +44,7 @@ import numpy as np
 
 from rolloutd.client.trajectory import TurnRecord
 from rolloutd.daemon.agents.base import AgentOutcome
+from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
@@ -125,10 +126,17 @@ class History:
     tokenizer: Any
     max_context_tokens: int
     template_check: str = "final"
+    content_special_tokens: str = "text"
+    """How the harness's messages treat added tokens' text (see ``agents.content_text``)."""
     segments: list[Segment] = field(default_factory=list)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
     requests: int = 0
     _turn_seq: itertools.count = field(default_factory=itertools.count)
+    content: ContentText = field(init=False)
+    """Encodes every segment's messages; its counts are the trajectory's."""
+
+    def __post_init__(self) -> None:
+        self.content = ContentText(self.tokenizer, self.content_special_tokens)
 
     def prepare(self, request: ChatRequest) -> Segment:
         """The segment ``request`` continues, its new messages appended; or a new segment.
@@ -165,7 +173,7 @@ class History:
         try:
             # Unbounded at first: a prompt over the limit is the harness's error, not a bad config.
             ledger = TokenLedger(self.tokenizer, base, request.tools, max_total_tokens=sys.maxsize,
-                                 template_check=self.template_check)
+                                 template_check=self.template_check, content=self.content)
         except ConfigError as e:
             raise BadRequest(f"the chat template cannot render the conversation: {e}") from e
         if len(ledger.ids) >= self.max_context_tokens:
@@ -207,7 +215,7 @@ class History:
         info = [{"index": s.index, "reason": s.reason, "first_request": s.first_request, "turns": s.turns,
                  "prompt_tokens": len(s.ledger.prompt_ids), "response_tokens": s.ledger.response_len,
                  "in_arrays": any(s is p for p, _ in parts)} for s in self.segments]
-        all_metrics = {**(metrics or {}), "history_rewritten": self.rewritten, "history_segments": info,
+        all_metrics = {**self.content.metrics(), **(metrics or {}), "history_rewritten": self.rewritten, "history_segments": info,
                        "history_rewrites": list(self.rewrites), "requests": self.requests}
         if not parts:
             empty = np.zeros(0, dtype=np.int32)

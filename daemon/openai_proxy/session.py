@@ -22,7 +22,7 @@ from typing import Any
 
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.inference.base import GenerateResult
-from rolloutd.native_io.errors import BadRequest, ConfigError, OperationTimeout
+from rolloutd.native_io.errors import BadRequest, ConfigError, OperationTimeout, SpecialTokenInContent
 
 from .history import History
 from .protocol import ChatRequest, Completion
@@ -54,11 +54,11 @@ class ProxyLimits:
 
 class ProxySession:
     def __init__(self, generate: Generate, tokenizer: Any, *, model: str, limits: ProxyLimits,
-                 template_check: str = "final") -> None:
+                 template_check: str = "final", content_special_tokens: str = "text") -> None:
         self._generate = generate
         self.model = model
         self.limits = limits
-        self.history = History(tokenizer, limits.max_context_tokens, template_check)
+        self.history = History(tokenizer, limits.max_context_tokens, template_check, content_special_tokens)
         self._lock = asyncio.Lock()
         self.stop_reason: str | None = None
         """The agent finish reason that ended the trajectory from the proxy's side, if any."""
@@ -101,6 +101,9 @@ class ProxySession:
             if e.details.get("code") == "context_length_exceeded":
                 self.end("max_tokens")
             raise
+        except SpecialTokenInContent as e:
+            self.end("special_token")
+            raise BadRequest(f"{e}; the trajectory ends here", details={"code": ENDED, "param": "messages"}) from e
         ledger = segment.ledger
         room = ledger.room
         if room < 1:
