@@ -337,11 +337,17 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
                     break
                 assert time.monotonic() < deadline and not job.done(), "the job never became pending"
                 await asyncio.sleep(0.1)
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            assert await job is None  # answered (503), not left hanging
-            await asyncio.to_thread(proc.wait, 30)
-            return time.monotonic() - t0
+            # a hung node (its supervisor frozen) must not hold the gateway's stop
+            node_pid = int((Path(address.removeprefix("ipc://")).parent / "node.pid").read_text())
+            os.kill(node_pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                assert await job is None  # answered (503), not left hanging
+                await asyncio.to_thread(proc.wait, 120)
+                return time.monotonic() - t0
+            finally:
+                os.kill(node_pid, signal.SIGCONT)
 
         took = asyncio.run(in_flight_then_sigterm())
         assert proc.returncode == 0 and took < STOP_WITHIN_S + 2, (took, proc.stderr.read())

@@ -185,7 +185,7 @@ async def serve_gateway(config: GatewayConfig, listen: Listen, access: Access) -
         # Pending jobs end first (503), so the HTTP side has nothing left to wait for; their
         # cancelled answers are not awaited past the stop budget (closing the client frees them).
         if gateway.running:
-            await gateway.stop()
+            await gateway.stop(within_s=STOP_WITHIN_S / 4)
         await runner.cleanup()
         await gateway.close(drain_s=STOP_WITHIN_S / 4)
 

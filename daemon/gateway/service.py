@@ -69,8 +69,8 @@ class Job:
     submitted_at: float
     cancelled: bool = False
     """Cancelled here (``cancel``, ``stop`` or the wait ran out), so a Cancelled answer is expected."""
-    stopped: bool = False
-    """Cancelled by ``stop``: its ``/process`` answers 503 instead of the cancelled trajectory."""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by ``stop``: its ``/process`` answers 503 at once, without waiting for the node."""
 
 
 class Gateway:
@@ -105,13 +105,21 @@ class Gateway:
         log.info("started: forwarding to %s with inference servers %s", self.config.address, sorted(self.added))
         return {"status": "started", "llm_servers": sorted(self.added), "llm_server_errors": errors}
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self, *, within_s: float | None = None) -> dict[str, Any]:
+        """Cancel the pending jobs (their ``/process`` answers 503 at once) and take this gateway's
+        servers out of the node, giving up on the node after ``within_s`` (a shutdown must not wait
+        on a hung node; the default is each call's control time-out)."""
         self.running = False
         jobs = list(self.jobs.values())
         for job in jobs:
-            job.stopped = job.cancelled = True
+            job.cancelled = True
+            job.stopped.set()
             await self.client.cancel(job.request_id)
-        errors = await self._remove_added()
+        try:
+            async with asyncio.timeout(within_s):
+                errors = await self._remove_added()
+        except TimeoutError:
+            errors = {spec: f"the node did not answer within {within_s:g} s" for spec in self.added}
         log.info("stopped: cancelled %d pending jobs", len(jobs))
         return {"status": "stopped", "cancelled_jobs": sorted(j.job_id for j in jobs), "llm_server_errors": errors}
 
@@ -189,7 +197,7 @@ class Gateway:
         (rid,) = await self.client.submit([request])
         job = self.jobs[job_id] = Job(job_id, rid, time.monotonic())
         try:
-            results = await self.client.results([rid], timeout_s=self.config.wait_s)
+            results = await self._results(job)
         except OperationTimeout as e:
             job.cancelled = True
             self._drain(rid)
@@ -207,9 +215,26 @@ class Gateway:
         finally:
             await self.client.release(results[rid])
 
+    async def _results(self, job: Job) -> dict[str, RolloutResult]:
+        """The job's answer, or ShuttingDown as soon as ``stop`` is called (a hung or busy node must
+        not hold the stop; the cancelled answer is collected in the background)."""
+        fetch = asyncio.ensure_future(self.client.results([job.request_id], timeout_s=self.config.wait_s))
+        stopped = asyncio.ensure_future(job.stopped.wait())
+        try:
+            await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not fetch.done():
+                fetch.cancel()
+        if fetch.done() and not fetch.cancelled():
+            return fetch.result()
+        self._drain(job.request_id)
+        raise ShuttingDown(f"the gateway was stopped (POST /stop or SIGTERM) while job {job.job_id} ran; it was "
+                           "cancelled")
+
     async def _answer(self, job: Job, request: RolloutRequest, instance: dict[str, Any],
                       result: RolloutResult, notes: list[str]) -> dict[str, Any]:
-        if job.stopped:
+        if job.stopped.is_set():
             raise ShuttingDown(f"the gateway was stopped (POST /stop) while job {job.job_id} ran; it was cancelled")
         if job.cancelled and (isinstance(result.error, Cancelled) or not result.trajectories):
             trajectory = unstarted_trajectory(job.request_id, request)
