@@ -76,11 +76,11 @@ def stack() -> Iterator[tuple[str, str]]:
 
 @asynccontextmanager
 async def gateway(address: str, *, timeout_s: float = 60.0, wait_s: float | None = None,
-                  trusted: bool = True) -> AsyncIterator[tuple[str, Any]]:
-    """The gateway in its default mode; callers from loopback are trusted (the published clients
-    send no token) unless ``trusted`` is False."""
+                  trusted: list[Any] = LOOPBACK) -> AsyncIterator[tuple[str, Any]]:
+    """The gateway in its default mode; callers from ``trusted`` networks (loopback unless told
+    otherwise: the published clients send no token) need no token."""
     config = GatewayConfig(address=address, timeout_s=timeout_s, process_wait_s=wait_s, sources=DataSources())
-    access = Access(TOKEN, LOOPBACK if trusted else [])
+    access = Access(TOKEN, trusted)
     async with serve_gateway(config, Listen("127.0.0.1", 0), access) as (url, gw):
         yield url, gw
 
@@ -279,7 +279,7 @@ async def test_bodies_are_checked_as_their_server_checks_them(stack: tuple[str, 
 
 async def test_token_in_the_url_or_a_trusted_network(stack: tuple[str, str]) -> None:
     address, _ = stack
-    async with gateway(address, trusted=False) as (base, _):
+    async with gateway(address, trusted=[]) as (base, _):
         status, text = await pc.control(base, "/start")
         assert status == 401 and "no token sent" in text and "http://rolloutd:<token>@" in text
         with_token = base.replace("http://", f"http://rolloutd:{TOKEN}@")
@@ -293,7 +293,9 @@ async def test_token_in_the_url_or_a_trusted_network(stack: tuple[str, str]) -> 
             basic = base64.b64encode(f"anyone:{TOKEN}".encode()).decode()
             async with session.get(f"{base}/status", headers={"Authorization": f"Basic {basic}"}) as r:
                 assert r.status == 200
-    async with gateway(address, trusted=True) as (base, _):
+    async with gateway(address, trusted=[ipaddress.ip_network("10.0.0.0/8")]) as (base, _):
+        assert (await pc.control(base, "/start"))[0] == 401  # loopback is not in the trusted network
+    async with gateway(address) as (base, _):
         assert (await pc.control(base, "/start"))[0] == 200  # from a trusted network: no token needed
 
 
