@@ -115,6 +115,17 @@ def check_tokens(raw: dict[str, Any]) -> None:
         offset += len(message["token_ids"])
 
 
+def assert_patch_fixes_calc(patch: str) -> None:
+    """The git_patch applies to the task's files and makes the agent's change (an independent git)."""
+    with tempfile.TemporaryDirectory() as folder:
+        for rel, text in SWE_GYM["files"].items():
+            (Path(folder) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(folder) / rel).write_text(text)
+        subprocess.run(["git", "init", "-q"], cwd=folder, check=True)
+        subprocess.run(["git", "apply", "-"], cwd=folder, input=patch, text=True, check=True)
+        assert (Path(folder) / "calc.py").read_text() == "def double(x):\n    return x * 2\n"
+
+
 def check_not_trainable(raw: dict[str, Any], critical: str) -> None:
     assert (raw["critical_error"], raw["filter"], raw["success"], raw["resolved"]) == (critical, True, False, False), raw
     with pytest.raises(AssertionError, match="Critical error"):
@@ -134,7 +145,7 @@ async def test_completed_jobs_parse_in_each_client(stack: tuple[str, str]) -> No
         pc.published_check(raw)
         assert (raw["success"], raw["resolved"], raw["filter"], raw["finish"], raw["end_properly"]) == \
             (True, True, False, True, True), raw
-        assert "-    return x + 1" in raw["git_patch"] and "+    return x * 2" in raw["git_patch"], raw["git_patch"]
+        assert_patch_fixes_calc(raw["git_patch"])
         assert raw["instance_id"] == "calc-1" and raw["trajectory_id"] == 0 and raw["reward"] == 1.0
         assert "api_key" in raw["notes"][0] and "custom_tokenizer" in raw["notes"][0]
         check_tokens(raw)
@@ -181,7 +192,8 @@ async def test_32_jobs_at_once_completed_failed_timed_out_cancelled(stack: tuple
         assert out["raw"]["resolved"] and not out["raw"]["filter"]
         check_tokens(out["raw"])
     for data, retry in results[12:20]:
-        assert not retry and data["resolved"] and "+    return x * 2" in data["git_patch"]
+        assert not retry and data["resolved"]
+        assert_patch_fixes_calc(data["git_patch"])
         check_tokens(data)
     for result in results[20:24]:
         # the v1 client parses it (no KeyError); its own check flags it; NeMo-RL's would retry it
