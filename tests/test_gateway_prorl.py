@@ -160,6 +160,14 @@ async def test_completed_jobs_parse_in_each_client(stack: tuple[str, str]) -> No
         assert not retry and data is not None and data["resolved"] is True and data["git_patch"] is None
         check_tokens(data)
 
+        # test_server.py's start_server_api form (/v1) names the same server; get_status, stop_server
+        status, body = await pc.control(base, "/add_llm_server", {"address": f"{llm}/v1"})
+        assert status == 200 and body["address"] == llm, body
+        status, body = await pc.control(base, "/status")
+        assert status == 200 and body["status"] == "running" and body["pending_jobs"] == 0 and body["llm_servers"] == [llm]
+        assert (await pc.control(base, "/stop"))[0] == 200
+        assert (await pc.control(base, "/status"))[0] == 503
+
 
 async def test_32_jobs_at_once_completed_failed_timed_out_cancelled(stack: tuple[str, str]) -> None:
     address, llm = stack
