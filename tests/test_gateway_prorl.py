@@ -34,6 +34,7 @@ from rolloutd.daemon.gateway.mapping import DataSources
 from rolloutd.daemon.gateway.server import STOP_WITHIN_S, serve_gateway
 from rolloutd.daemon.gateway.service import GatewayConfig
 from rolloutd.daemon.policy.model import default_model
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from test_rollout_daemon import API_KEY, policy
 
 TOKEN = "prorl-test-token"
@@ -76,10 +77,11 @@ def stack() -> Iterator[tuple[str, str]]:
 
 @asynccontextmanager
 async def gateway(address: str, *, timeout_s: float = 60.0, wait_s: float | None = None,
-                  trusted: list[Any] = LOOPBACK) -> AsyncIterator[tuple[str, Any]]:
+                  trusted: list[Any] = LOOPBACK, tokenizer: Any = None) -> AsyncIterator[tuple[str, Any]]:
     """The gateway in its default mode; callers from ``trusted`` networks (loopback unless told
     otherwise: the published clients send no token) need no token."""
-    config = GatewayConfig(address=address, timeout_s=timeout_s, process_wait_s=wait_s, sources=DataSources())
+    config = GatewayConfig(address=address, timeout_s=timeout_s, process_wait_s=wait_s, sources=DataSources(),
+                           tokenizer=tokenizer)
     access = Access(TOKEN, trusted)
     async with serve_gateway(config, Listen("127.0.0.1", 0), access) as (url, gw):
         yield url, gw
@@ -134,12 +136,16 @@ def check_not_trainable(raw: dict[str, Any], critical: str) -> None:
 
 async def test_completed_jobs_parse_in_each_client(stack: tuple[str, str]) -> None:
     address, llm = stack
-    async with gateway(address) as (base, _):
+    tokenizer = load_tokenizer()  # the node's (the reference policy's), for the messages' text
+    async with gateway(address, tokenizer=tokenizer) as (base, _):
         await _started(base, llm)
         out = await pc.token_process_request(base, {**SWE_GYM, "trajectory_id": 0}, pc.TOKEN_SAMPLING_PARAMS)
         assert out is not None
         parsed, raw = out["parsed"], out["raw"]
         assert [m["role"] for m in raw["messages"]] == ["user", "assistant", "tool", "assistant"]
+        assert "double() is wrong" in raw["messages"][0]["content"]
+        assert raw["messages"][1]["content"].startswith(PLANS["calc-1"][0])
+        assert [m["content"] for m in raw["messages"]] == [tokenizer.decode(m["token_ids"]) for m in raw["messages"]]
         assert parsed["tools"] == len(raw["tools"]) > 0 and {t["function"]["name"] for t in raw["tools"]} >= \
             {"bash", "submit"}
         pc.published_check(raw)
@@ -342,7 +348,7 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTD_GATEWAY_TOKEN"}
     proc = subprocess.Popen([*cmd, "--bind", f"0.0.0.0:{port}", "--trusted-network", "127.0.0.0/8",
-                             "--timeout-s", "60", "--start", "--inference-server", llm],
+                             "--timeout-s", "60", "--tokenizer", "reference", "--start", "--inference-server", llm],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None

@@ -10,8 +10,10 @@ the clients that parse it (``scripts/tests/test_server*.py``, NeMo-RL-ProRL's
   server was given for that turn) and ``logprobs``. Here the prompt is one ``user`` message, each
   run of model tokens an ``assistant`` message and each run of observation tokens a ``tool``
   message, all cut from the recorded arrays, so concatenated ``token_ids`` are exactly
-  ``prompt_ids + response_ids`` up to the last model turn. ``content`` is empty: rolloutd keeps
-  ids, not text (decode ``token_ids`` with the policy's tokenizer to read it). Trailing
+  ``prompt_ids + response_ids`` up to the last model turn. ``content`` is those ids decoded with
+  the gateway's ``--tokenizer`` (the node's), special tokens and the template's framing included,
+  and empty without one: rolloutd keeps ids, not text, and a wrong tokenizer would give wrong
+  text silently. Trailing
   observations are left out as the published server leaves them out (NeMo-RL's reader asserts the
   last message is the assistant's); the flat arrays keep them.
 - ``critical_error``: None when the sample is the model's to be scored; ``"timeout"`` when its
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.client.adapters.common import hit_token_limit
+from rolloutd.client.adapters.common import Decoder, hit_token_limit
 from rolloutd.client.adapters.nemo_rl import trajectory_message_log
 from rolloutd.client.trajectory import Trajectory
 
@@ -47,9 +49,9 @@ def critical_error(trajectory: Trajectory) -> str | None:
     return str(events[-1][0]) if events else "init"
 
 
-def messages(trajectory: Trajectory) -> list[dict[str, Any]]:
+def messages(trajectory: Trajectory, tokenizer: Decoder | None = None) -> list[dict[str, Any]]:
     """The chat turns with their recorded ids (see the module docstring)."""
-    log = trajectory_message_log(trajectory, prompt_role="user", observation_role="tool")
+    log = trajectory_message_log(trajectory, tokenizer=tokenizer, prompt_role="user", observation_role="tool")
     while log and log[-1]["role"] != "assistant":
         log.pop()
     context = np.concatenate([trajectory.prompt_ids, trajectory.response_ids]).astype(np.int64)
@@ -68,7 +70,8 @@ def messages(trajectory: Trajectory) -> list[dict[str, Any]]:
     return out
 
 
-def prorl_answer(native: dict[str, Any], trajectory: Trajectory, notes: list[str]) -> dict[str, Any]:
+def prorl_answer(native: dict[str, Any], trajectory: Trajectory, notes: list[str],
+                 tokenizer: Decoder | None = None) -> dict[str, Any]:
     """``native`` (the gateway's own answer) with the published server's fields laid over it."""
     critical = critical_error(trajectory)
     success = critical is None and trajectory.finish_reason == "completed"
@@ -79,7 +82,7 @@ def prorl_answer(native: dict[str, Any], trajectory: Trajectory, notes: list[str
     answer = dict(native)
     answer["tool_stats"] = answer.pop("tools")
     answer.update({
-        "messages": messages(trajectory),
+        "messages": messages(trajectory, tokenizer),
         "tools": list(trajectory.metrics.get("tool_schemas") or []),
         "critical_error": critical,
         "success": success,

@@ -51,6 +51,7 @@ from rolloutd.native_io.errors import (
     TaskError,
 )
 
+from ..policy.tokenizer import load_tokenizer
 from .auth import DEFAULT_BIND, TOKEN_ENV, Access, Listen, parse_networks, read_token
 from .body import CANCEL, LLM_SERVER, MAX_BODY_BYTES, PROCESS, PROCESS_NATIVE, read_body
 from .mapping import DataSources
@@ -222,6 +223,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="node daemon or router (default: $ROLLOUTD_ADDRESS or this user's node)")
     p.add_argument("--mode", choices=("prorl", "native"), default="prorl",
                    help="prorl (default): the published server's request and answer shapes; native: rolloutd's")
+    p.add_argument("--tokenizer", help="the node's tokenizer folder (its --tokenizer; 'reference' for the bundled "
+                   "one): the text of each message in the answer (empty without it)")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="stage time a job may use, queue waits excluded (the published server's --timeout)")
     p.add_argument("--process-wait-s", type=float, default=None,
@@ -242,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.timeout_s <= 0 or (args.process_wait_s is not None and args.process_wait_s <= 0):
             raise ConfigError("--timeout-s and --process-wait-s must be > 0")
+        tokenizer = None
+        if args.tokenizer:
+            tokenizer = load_tokenizer(None if args.tokenizer == "reference" else args.tokenizer)
         config = GatewayConfig(address=args.address or default_address(), timeout_s=args.timeout_s,
                                process_wait_s=args.process_wait_s, sources=DataSources.parse(args.dataset),
-                               prorl=args.mode == "prorl")
+                               prorl=args.mode == "prorl", tokenizer=tokenizer)
         trusted = parse_networks(args.trusted_network)
         listen = Listen.parse(args.bind, allow_remote=args.allow_remote or bool(trusted))
         access = Access(read_token(args.token_file), trusted)

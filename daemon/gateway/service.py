@@ -56,6 +56,8 @@ class GatewayConfig:
     prorl: bool = True
     """The published server's request and answer shapes (the default); False: rolloutd's own
     (``--mode native``: sampling_params optional and in rolloutd's names, no ``messages``)."""
+    tokenizer: Any = None
+    """The node's tokenizer (``--tokenizer``), to give ``messages`` their text; None: empty text."""
 
     @property
     def wait_s(self) -> float:
@@ -250,7 +252,7 @@ class Gateway:
 
     def _json(self, trajectory: Trajectory, job: Job, instance: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         native = result_json(trajectory, job_id=job.job_id, instance=instance, wall_s=time.monotonic() - job.submitted_at)
-        return prorl_answer(native, trajectory, notes) if self.config.prorl else native
+        return prorl_answer(native, trajectory, notes, self.config.tokenizer) if self.config.prorl else native
 
     async def cancel(self, job_id: Any) -> dict[str, Any]:
         if not isinstance(job_id, str):
