@@ -29,8 +29,10 @@ import pytest
 
 import prorl_clients as pc
 from daemon_fixtures import node_daemon
+from rolloutd.client.trajectory import Trajectory
 from rolloutd.daemon.gateway.auth import Access, Listen
-from rolloutd.daemon.gateway.mapping import DataSources
+from rolloutd.daemon.gateway.compat import prorl_answer
+from rolloutd.daemon.gateway.mapping import DataSources, result_json
 from rolloutd.daemon.gateway.server import STOP_WITHIN_S, serve_gateway
 from rolloutd.daemon.gateway.service import GatewayConfig
 from rolloutd.daemon.policy.model import default_model
@@ -386,3 +388,28 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.mark.parametrize(("finish", "ended_by", "last_stage", "critical", "success"), [
+    ("completed", "model", "eval", None, True),
+    ("max_turns", "model", "eval", None, False),
+    ("timeout", "model", "run", "timeout", False),
+    ("timeout", "sandbox", "init", "timeout", False),
+    ("cancelled", "client", "run", "timeout", False),
+    ("error", "sandbox", "run", "run", False),
+    ("error", "inference", "run", "run", False),
+    ("error", "daemon", "eval", "eval", False),
+    ("error", "task", "init", "init", False),
+])
+def test_every_ending_maps_to_their_critical_error_and_filter(finish: str, ended_by: str, last_stage: str,
+                                                              critical: str | None, success: bool) -> None:
+    """Infrastructure endings (sandbox, inference, daemon) and time-outs are never a trainable 0."""
+    arrays = {"prompt_ids": np.array([1, 2], np.int32), "response_ids": np.array([3, 4, 5], np.int32),
+              "response_mask": np.array([1, 1, 0], np.uint8), "response_logprobs": np.array([-.5, -.25, 0], np.float32)}
+    t = Trajectory(request_id="r", sample_index=0, task_id="t", reward=0.0, finish_reason=finish, num_turns=1,
+                   ended_by=ended_by, metrics={"stage_events": [("init", "enter", 0.0), (last_stage, "enter", 1.0)]},
+                   error_message="boom" if finish == "error" else None, **arrays)
+    answer = prorl_answer(result_json(t, job_id="j", instance={}, wall_s=1.0), t, [])
+    assert (answer["critical_error"], answer["success"], answer["filter"]) == (critical, success, not success)
+    assert answer["resolved"] is False and answer["reward"] == 0.0
+    assert [m["token_ids"] for m in answer["messages"]] == [[1, 2], [3, 4]]  # the trailing observation is left out
