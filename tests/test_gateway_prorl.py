@@ -177,6 +177,24 @@ async def test_completed_jobs_parse_in_each_client(stack: tuple[str, str]) -> No
         assert (await pc.control(base, "/status"))[0] == 503
 
 
+@pytest.mark.apptainer
+async def test_completed_and_failed_jobs_in_apptainer_sandboxes(short_tmp: Path) -> None:
+    """As the issue's user runs it: Apptainer sandboxes; NeMo-RL's client reads a SWE-Gym job, and a
+    job whose repository is missing from the image fails as their 'init'."""
+    with policy(PLANS, short_tmp) as llm:
+        with node_daemon(short_tmp / "n", "--backend", "apptainer", "--workers", "1", "--warm", "1",
+                         env={"ROLLOUTD_INFERENCE_API_KEY": API_KEY}) as address:
+            async with gateway(address) as (base, _):
+                await _started(base, llm)
+                (data, retry), (failed, failed_retry) = await asyncio.gather(
+                    pc.nemo_rl_send(base, {**SWE_GYM, "trajectory_id": 0}, pc.NEMO_RL_SAMPLING_PARAMS),
+                    pc.nemo_rl_send(base, {**BROKEN_SWE, "trajectory_id": 0}, pc.NEMO_RL_SAMPLING_PARAMS))
+    assert not retry and data["resolved"] and not data["filter"], data
+    assert_patch_fixes_calc(data["git_patch"])
+    check_tokens(data)
+    assert (failed, failed_retry) == (None, True)  # no messages: NeMo-RL retries it instead of scoring a 0
+
+
 async def test_32_jobs_at_once_completed_failed_timed_out_cancelled(stack: tuple[str, str]) -> None:
     address, llm = stack
     timeout_s = 6.0
