@@ -43,6 +43,13 @@ class MessageTooLarge(BadRequest):
     code = "MESSAGE_TOO_LARGE"
 
 
+class InvalidBody(BadRequest):
+    """An HTTP body that is not the route's JSON object (bad JSON, a missing or mistyped field);
+    ``details["errors"]`` lists each fault as ``{"type", "loc", "msg"}``, the way FastAPI answers 422."""
+
+    code = "INVALID_BODY"
+
+
 class DuplicateRequest(RolloutdError, ValueError):
     code = "DUPLICATE_REQUEST"
 

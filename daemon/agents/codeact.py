@@ -109,7 +109,8 @@ class CodeActAgent(Agent):
         # Only the last iteration can end before its model turn (deadline, full context): drop it.
         outcome.metrics.update(
             agent_cpu_s=cpu.total_s, agent_setup_cpu_s=setup_cpu_s, agent_final_cpu_s=cpu.total_s - mark,
-            agent_cpu_s_per_turn=per_turn[:outcome.num_turns], **waits)
+            agent_cpu_s_per_turn=per_turn[:outcome.num_turns], **waits,
+            tool_schemas=[s.schema() for s in toolbox.specs.values()])  # what the template showed the model
         return outcome
 
     async def _turn(self, ctx: AgentContext, ledger: TokenLedger, toolbox: ToolBox, cpu: CpuMeter,
