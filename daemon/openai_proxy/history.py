@@ -128,6 +128,8 @@ class History:
     segments: list[Segment] = field(default_factory=list)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
     requests: int = 0
+    template_unextendable: str | None = None
+    """Why the chat template could not extend a segment token by token, the first time it could not."""
     _turn_seq: itertools.count = field(default_factory=itertools.count)
 
     def prepare(self, request: ChatRequest) -> Segment:
@@ -143,9 +145,11 @@ class History:
                 continue
             if new:
                 try:
-                    fits = segment.ledger.add_messages([{"role": m.role, "content": m.content or ""} for m in new])
+                    fits = segment.ledger.add_messages([m.template_dict() for m in new])
                 except ConfigError as e:
-                    raise BadRequest(f"the chat template cannot render the new messages: {e}") from e
+                    # The template re-renders earlier text for these messages: no token-by-token
+                    # extension exists, so the request gets a fresh render of its own.
+                    return self._new_segment(request, (segment, str(e)))
                 if not fits:
                     raise _context_full(f"the new messages do not fit: {segment.ledger.room} tokens are left under "
                                         f"max_context_tokens={self.max_context_tokens}")
@@ -153,10 +157,21 @@ class History:
             return segment
         return self._new_segment(request)
 
-    def _new_segment(self, request: ChatRequest) -> Segment:
+    def _new_segment(self, request: ChatRequest, unextendable: tuple[Segment, str] | None = None) -> Segment:
+        """A segment from a fresh render of ``request``; ``unextendable``: the segment it extends
+        and why the template could not append its new messages (said once per trajectory)."""
         reason = "first request"
         shared = 0
-        if self.segments:
+        if unextendable is not None:
+            extended, why = unextendable
+            shared = len(extended.known)
+            reason = (f"request {self.requests} extends segment {extended.index}, but the chat template cannot "
+                      "append its new messages token by token (template_unextendable says why)")
+            if self.template_unextendable is None:
+                self.template_unextendable = why
+                log.warning("openai proxy: the chat template cannot append observations token by token (%s); "
+                            "such requests start new segments from a fresh render", why)
+        elif self.segments:
             # Report against the segment that shares the most with the request.
             closest = max(reversed(self.segments), key=lambda s: s.divergence(request)[0])
             shared, what = closest.divergence(request)
@@ -208,7 +223,8 @@ class History:
                  "prompt_tokens": len(s.ledger.prompt_ids), "response_tokens": s.ledger.response_len,
                  "in_arrays": any(s is p for p, _ in parts)} for s in self.segments]
         all_metrics = {**(metrics or {}), "history_rewritten": self.rewritten, "history_segments": info,
-                       "history_rewrites": list(self.rewrites), "requests": self.requests}
+                       "history_rewrites": list(self.rewrites), "requests": self.requests,
+                       "template_unextendable": self.template_unextendable}
         if not parts:
             empty = np.zeros(0, dtype=np.int32)
             prompt = self.segments[0].ledger.prompt_ids.copy() if self.segments else empty
@@ -235,6 +251,8 @@ class History:
             notes += [f"segment {segment.index}: {n}" for n in o.template_notes]
         last = parts[-1][1]
         notes += [r["reason"] for r in self.rewrites]
+        if self.template_unextendable is not None:
+            notes.append(f"the chat template cannot append observations token by token: {self.template_unextendable}")
         return AgentOutcome(
             prompt_ids=parts[0][1].prompt_ids, response_ids=np.concatenate(ids), response_mask=np.concatenate(mask),
             response_logprobs=np.concatenate(lps), finish_reason=finish_reason, num_turns=len(turns), turns=turns,
