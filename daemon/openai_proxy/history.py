@@ -34,6 +34,7 @@ once any request extended no segment (a rewrite, or a second conversation);
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -48,7 +49,7 @@ from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
 
-from .protocol import ChatMessage, ChatRequest, parse_reply
+from .protocol import ChatMessage, ChatRequest
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ class History:
     """Why the chat template could not extend a segment token by token, the first time it could not."""
     _turn_seq: itertools.count = field(default_factory=itertools.count)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
+
     def prepare(self, request: ChatRequest) -> Segment:
         """The segment ``request`` continues, its new messages appended; or a new segment.
 
@@ -195,11 +200,16 @@ class History:
         self.segments.append(segment)
         return segment
 
-    def record(self, segment: Segment, result: GenerateResult) -> Turn:
-        """Append a model turn's ids as they are and build the reply the harness gets."""
-        prompt_tokens = len(segment.ledger.ids)
-        text = segment.ledger.add_turn(result)
-        content, calls = parse_reply(text)
+    def record(self, segment: Segment, result: GenerateResult, request: ChatRequest) -> Turn:
+        """Append a model turn's ids as they are and build the reply the harness gets; BadRequest,
+        with nothing appended, when the reply does not satisfy the request's tool choice."""
+        ledger = segment.ledger
+        prompt_tokens = len(ledger.ids)
+        ids = result.token_ids.tolist()
+        end = reply_end(ids, result.finish_reason, ledger.eot_id, self.special_ids)
+        content, calls = request.tool_choice.reply(ledger.codec.decode(ids[:end]),
+                                                   finished=result.finish_reason == "stop")
+        ledger.add_turn(result)
         message = ChatMessage("assistant", content, calls)
         segment.known.append(message)
         segment.turns += 1
@@ -259,6 +269,14 @@ class History:
             template_append_only=len(parts) == 1 and all(o.template_append_only for _, o in parts),
             segments=ranges, submitted=finish_reason == "completed", messages=last.messages, template_notes=notes,
             metrics=all_metrics)
+
+
+def reply_end(ids: list[int], finish_reason: str, eot_id: int, special_ids: frozenset[int]) -> int:
+    """How many of a turn's ids the reply's text holds: not the token that ended the turn (the
+    template's end of turn, or another special stop token such as ``<|endoftext|>``)."""
+    if ids and (ids[-1] == eot_id or (finish_reason == "stop" and ids[-1] in special_ids)):
+        return len(ids) - 1
+    return len(ids)
 
 
 def _context_full(message: str) -> BadRequest:

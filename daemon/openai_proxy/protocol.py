@@ -2,8 +2,8 @@
 
 Requests are parsed into :class:`ChatRequest` (messages normalised into :class:`ChatMessage`);
 replies are built from the model's text, whose Hermes ``<tool_call>{json}</tool_call>`` blocks
-become ``tool_calls``. What is accepted but not applied (sampling fields: the trainer's sampling
-parameters rule every turn, ``stop`` strings, ``tool_choice``) is listed in
+become ``tool_calls`` when the request offered tools (:class:`ToolChoice`). What is accepted but
+not applied (sampling fields: the trainer's sampling parameters rule every turn) is listed in
 ``ChatRequest.ignored`` so the trajectory can report it. Shapes follow the OpenAI API closely
 enough for the official SDK to parse them (tests drive it): ``chat.completion``,
 ``chat.completion.chunk`` with content and tool-call deltas, ``list`` of ``model``.
@@ -23,7 +23,8 @@ from rolloutd.native_io.errors import BadRequest
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Fields the proxy reads, or accepts knowing it does not apply them.
 _APPLIED = {"model", "messages", "tools", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-            "n", "logprobs"}
+            "n", "logprobs", "tool_choice", "parallel_tool_calls"}
+TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,47 @@ class ChatMessage:
         return out
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a reply may hold, from ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+
+    mode: str = "none"
+    """``none`` (no tools offered, or ``tool_choice: "none"``: the reply is plain content),
+    ``auto``, ``required`` or ``function`` (the one named in :attr:`function`)."""
+    function: str | None = None
+    parallel: bool = True
+
+    def reply(self, text: str, *, finished: bool) -> tuple[str | None, tuple[ToolCallItem, ...]]:
+        """The model's text as content and tool calls; BadRequest (``param`` the field) when a
+        finished reply does not satisfy the choice. The model is not constrained while it
+        generates, so a reply that breaks the rule is refused, never rewritten to fit."""
+        if self.mode == "none":
+            return text, ()
+        content, calls = parse_reply(text)
+        if not finished:
+            return content, calls
+        if self.mode == "required" and not calls:
+            raise _unsatisfied("tool_choice", "tool_choice is 'required' but the model's reply calls no tool")
+        if self.mode == "function" and (not calls or any(c.name != self.function for c in calls)):
+            raise _unsatisfied("tool_choice", f"tool_choice names {self.function!r} but the model's reply calls "
+                                              f"{[c.name for c in calls] or 'no tool'}")
+        if not self.parallel and len(calls) > 1:
+            raise _unsatisfied("parallel_tool_calls", f"parallel_tool_calls is false but the model's reply makes "
+                                                      f"{len(calls)} tool calls")
+        return content, calls
+
+
+def _unsatisfied(param: str, message: str) -> BadRequest:
+    return BadRequest(message + "; the reply is not returned or recorded (send the request again to sample anew)",
+                      details={"param": param, "code": "reply_does_not_satisfy_request"})
+
+
 @dataclass
 class ChatRequest:
     model: str
     messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
@@ -186,6 +223,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             for t in tools)):
         raise BadRequest("tools must be a list of {'type': 'function', 'function': {'name': ..., ...}}",
                          details={"param": "tools"})
+    tool_choice = _tool_choice(body, tools or [])
     n = body.get("n", 1)
     if n not in (1, None):
         raise BadRequest("n must be 1: one trajectory holds one sample per turn", details={"param": "n"})
@@ -194,10 +232,35 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise BadRequest("max_completion_tokens/max_tokens must be an integer >= 1", details={"param": "max_tokens"})
     options = body.get("stream_options") or {}
     return ChatRequest(
-        model=model, messages=messages, tools=tools or None, stream=bool(body.get("stream")),
+        model=model, messages=messages, tools=tools or None, tool_choice=tool_choice, stream=bool(body.get("stream")),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         max_tokens=max_tokens, logprobs=bool(body.get("logprobs")),
         ignored=sorted(k for k, v in body.items() if k not in _APPLIED and v is not None))
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoice:
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be true or false", details={"param": "parallel_tool_calls"})
+    choice = body.get("tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    function = None
+    if choice is None:
+        mode = "auto"
+    elif isinstance(choice, str) and choice in TOOL_CHOICE_MODES:
+        mode = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        mode, function = "function", choice["function"]["name"]
+        if function not in names:
+            raise BadRequest(f"tool_choice names {function!r}, which is not among the tools {names}",
+                             details={"param": "tool_choice"})
+    else:
+        raise BadRequest(f"tool_choice must be one of {list(TOOL_CHOICE_MODES)} or {{'type': 'function', "
+                         "'function': {'name': ...}}", details={"param": "tool_choice"})
+    if mode in ("required", "function") and not tools:
+        raise BadRequest(f"tool_choice {choice!r} needs tools", details={"param": "tool_choice"})
+    return ToolChoice("none" if not tools else mode, function, parallel is not False)
 
 
 def new_call_id() -> str:

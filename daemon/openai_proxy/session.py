@@ -116,8 +116,8 @@ class ProxySession:
             raise BadRequest(f"the trajectory reached its deadline: {e}", details={"code": ENDED}) from e
         finally:
             self.generate_s += time.monotonic() - t0
-        turn = self.history.record(segment, result)
         self.turns += 1
+        turn = self.history.record(segment, result, request)
         if result.finish_reason == "abort":
             self.end("cancelled")
             raise BadRequest("the inference server aborted this turn (a weight update cancelled the trajectory)",
