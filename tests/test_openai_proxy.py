@@ -197,9 +197,15 @@ async def test_openai_proxy_refuses_what_it_cannot_serve(short_tmp: Path) -> Non
                                       headers={"Authorization": f"Bearer {KEY}"})
         assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
         assert p.results == [] and p.session.history.segments == []
-        # Sampling fields are accepted and reported, not applied: the trainer's sampling rules.
-        await turn(p, conversation(), temperature=0.1, top_p=0.5, stop=["x"])
-        assert p.session.outcome("completed").metrics["ignored_request_fields"] == ["stop", "temperature", "top_p"]
+        # Sampling fields cannot be applied (the trainer's sampling rules): refused, naming the field.
+        with pytest.raises(openai.BadRequestError) as e:
+            await turn(p, conversation(), temperature=0.1, top_p=0.5)
+        assert e.value.param == "temperature" and e.value.code == "unsupported_parameter"
+        assert p.results == []
+        # Accepted and reported where the agent's unapplied_fields setting allows it.
+        p.session.unapplied_fields = "report"
+        await turn(p, conversation(), temperature=0.1, top_p=0.5, user="me")
+        assert p.session.outcome("completed").metrics["ignored_request_fields"] == ["temperature", "top_p"]
 
 
 async def test_openai_proxy_logprobs_and_usage(short_tmp: Path) -> None:
@@ -208,8 +214,10 @@ async def test_openai_proxy_logprobs_and_usage(short_tmp: Path) -> None:
                                                       logprobs=True)
         (result,) = p.results
         content = reply.choices[0].logprobs.content
-        assert "".join(c.token for c in content) == decode(result.token_ids)
-        assert np.allclose([c.logprob for c in content], result.logprobs, atol=1e-6)
+        # The reply's tokens: the end-of-turn token that closed it is not content.
+        assert result.token_ids[-1] == reference_tokenizer().convert_tokens_to_ids("<|im_end|>")
+        assert "".join(c.token for c in content) == decode(result.token_ids[:-1])
+        assert np.allclose([c.logprob for c in content], result.logprobs[:-1], atol=1e-6)
         ledger = p.session.history.segments[0].ledger
         assert reply.usage.prompt_tokens == len(ledger.prompt_ids)
         assert reply.usage.completion_tokens == len(result.token_ids)

@@ -10,15 +10,25 @@ from pathlib import Path
 import openai
 import pytest
 
-from agent_support import call
-from openai_proxy_inprocess import as_sent, conversation, proxy, turn
-from openai_proxy_support import BASH_TOOL
+import numpy as np
+import pydantic
+
+from agent_support import call, reference_tokenizer
+from openai_proxy_inprocess import MODEL, as_sent, conversation, proxy, turn
+from openai_proxy_support import BASH_TOOL, decode
 
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}
 TWO_CALLS = "Both.\n" + "\n".join(
     f"<tool_call>\n{json.dumps({'name': 'bash', 'arguments': {'command': c}})}\n</tool_call>" for c in ("ls", "pwd"))
+OBSERVING = "I will run it.\nObservation: an invented output\nThought: more."
+UNICODE = "héllo ✓ 日本語"
 PLANS = {
     "plain": [call("bash", "Looks like a call.", command="ls"), "Second reply."],
+    "observing": [OBSERVING, "Thanks."],
+    "counting": ["one two three four five six seven eight nine ten"],
+    "json": ['{"answer": 42}', "not json at all", '{"answer": "forty-two"}', '[1, 2]'],
+    "unicode": [UNICODE],
+    "eos": ["Finished.<|endoftext|>", "Again."],
     "calls": [call("bash", "One call.", command="ls")],
     "answer": ["Just an answer."],
     "two": [TWO_CALLS],
@@ -94,3 +104,114 @@ async def test_a_refused_reply_is_sampled_again_in_the_same_segment(short_tmp: P
         outcome = p.session.outcome("completed")
     assert len(outcome.metrics["history_segments"]) == 1 and outcome.num_turns == 2
 
+
+
+async def test_stop_cuts_the_ids_at_the_first_match(short_tmp: Path) -> None:
+    eot = reference_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    stop = ["Thought:", "Observation:"]
+    async with proxy(short_tmp, plans=PLANS) as p:
+        messages = conversation("observing")
+        first = await turn(p, messages, tools=None, stop=stop)
+        assert first.finish_reason == "stop" and first.message.content == "I will run it.\n"
+        echoed = {"role": "assistant", "content": "I will run it."}  # a harness that trims
+        second = await turn(p, [*messages, echoed, {"role": "user", "content": "Go on."}], tools=None)
+        assert second.message.content == "Thanks."
+        # The same in a stream (another conversation: its own system message).
+        other = [{"role": "system", "content": "Streaming."}, messages[1]]
+        async with p.client.chat.completions.stream(model=MODEL, messages=other, stop="Observation:") as events:
+            streamed = (await events.get_final_completion()).choices[0]
+        assert streamed.finish_reason == "stop" and streamed.message.content == "I will run it.\n"
+        outcome = p.session.outcome("completed")
+    assert [s["turns"] for s in outcome.metrics["history_segments"]] == [2, 1]
+    full = p.results[0].token_ids.tolist()
+    cut = outcome.turns[0]
+    kept = outcome.response_ids[cut.start:cut.end].tolist()
+    # Cut right after the token that completes the first match; the rest was never the model's.
+    assert kept == full[:len(kept)] and len(kept) < len(full) and cut.finish_reason == "stop"
+    assert "Observation:" in decode(np.asarray(kept)) and "Observation:" not in decode(np.asarray(kept[:-1]))
+    # The template's end of turn closes the cut turn (not the model's: mask 0), then the user.
+    assert outcome.response_ids[cut.end] == eot and outcome.response_mask[cut.end] == 0
+    assert not [n for n in outcome.template_notes if n.startswith("segment 0:")]
+
+
+async def test_max_tokens_and_max_completion_tokens(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p:
+        for fields, expected in (({"max_tokens": 3, "max_completion_tokens": None}, 3),
+                                 ({"max_tokens": 5, "max_completion_tokens": 2}, 2)):
+            choice = await turn(p, conversation("counting"), tools=None, **fields)
+            assert choice.finish_reason == "length" and len(p.results[-1].token_ids) == expected
+        for name in ("max_tokens", "max_completion_tokens"):
+            with pytest.raises(openai.BadRequestError) as e:
+                await turn(p, conversation("counting"), **{name: 0})
+            assert e.value.param == name
+
+
+class Answer(pydantic.BaseModel):
+    answer: int
+
+
+async def test_response_format_is_validated_json_or_refused(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p:
+        messages = conversation("json")
+        parsed = await p.client.chat.completions.parse(model=MODEL, messages=messages, response_format=Answer)
+        assert parsed.choices[0].message.parsed == Answer(answer=42)
+        messages += [as_sent(parsed.choices[0].message), {"role": "user", "content": "Again."}]
+        # Turn 2 is not JSON, turn 3 does not match the schema, turn 4 is an array, not an object.
+        for fmt in (Answer, Answer, {"type": "json_object"}):
+            with pytest.raises(openai.BadRequestError) as e:
+                if isinstance(fmt, dict):
+                    await p.client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt)
+                else:
+                    await p.client.chat.completions.parse(model=MODEL, messages=messages, response_format=fmt)
+            assert e.value.param == "response_format" and e.value.code == "reply_does_not_satisfy_request"
+            # The refused reply is not the model's turn in the trajectory: the next request
+            # samples the same turn again, so move the script on with a user message.
+            messages += [{"role": "user", "content": "Once more."}]
+        generated = len(p.results)
+        for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 5}}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                await p.client.chat.completions.create(model=MODEL, messages=messages, response_format=bad)
+            assert e.value.param == "response_format"
+        assert len(p.results) == generated
+
+
+async def test_logprobs_carry_each_tokens_true_bytes_in_streams_too(short_tmp: Path) -> None:
+    tok = reference_tokenizer()
+    async with proxy(short_tmp, plans=PLANS) as p:
+        reply = await p.client.chat.completions.create(model=MODEL, messages=conversation("unicode"), logprobs=True)
+        content = reply.choices[0].logprobs.content
+        other = [{"role": "system", "content": "Streaming."}, conversation("unicode")[1]]
+        async with p.client.chat.completions.stream(model=MODEL, messages=other, logprobs=True) as events:
+            streamed = (await events.get_final_completion()).choices[0].logprobs.content
+        with pytest.raises(openai.BadRequestError) as e:
+            await p.client.chat.completions.create(model=MODEL, messages=other, logprobs=True, top_logprobs=2)
+        assert e.value.param == "top_logprobs"
+    assert reply.choices[0].message.content == UNICODE
+    result = p.results[0]
+    assert result.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    # Every token of the text, and not the end of turn; bytes joined are the text's bytes, with
+    # characters split across tokens (their pieces alone are not UTF-8).
+    assert len(content) == len(result.token_ids) - 1
+    assert b"".join(bytes(c.bytes) for c in content) == UNICODE.encode()
+    assert any(c.token == "\ufffd" for c in content) and all(c.bytes != list("\ufffd".encode()) for c in content)
+    assert np.allclose([c.logprob for c in content], result.logprobs[:-1], atol=1e-6)
+    assert [c.bytes for c in streamed] == [c.bytes for c in content] and all(c.top_logprobs == [] for c in content)
+
+
+async def test_a_turn_ending_at_another_stop_token_does_not_return_it(short_tmp: Path) -> None:
+    tok = reference_tokenizer()
+    eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    async with proxy(short_tmp, plans=PLANS) as p:
+        messages = conversation("eos")
+        first = await turn(p, messages, tools=None, logprobs=True)
+        assert first.finish_reason == "stop" and first.message.content == "Finished."
+        assert "".join(c.token for c in first.logprobs.content) == "Finished."
+        messages += [as_sent(first.message), {"role": "user", "content": "Go on."}]
+        assert (await turn(p, messages, tools=None)).message.content == "Again."
+        outcome = p.session.outcome("completed")
+    assert p.results[0].token_ids[-1] == eos
+    end = outcome.turns[0].end
+    # The model's own stop token stays in the ids (mask 1); the template closes the turn after it.
+    assert outcome.response_ids[end - 1] == eos and outcome.response_ids[end] == eot
+    assert outcome.response_mask[end - 1] == 1 and outcome.response_mask[end] == 0
+    assert len(outcome.metrics["history_segments"]) == 1 and outcome.template_append_only

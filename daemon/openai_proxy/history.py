@@ -50,6 +50,7 @@ from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
 
 from .protocol import ChatMessage, ChatRequest
+from .reply import cut_at_stop, reply_end
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ class Turn:
     finish_reason: str
     """The API's: ``stop``, ``length`` or ``tool_calls``."""
     prompt_tokens: int
+    result: GenerateResult
+    """The model's turn as recorded (cut at a ``stop`` string)."""
+    reply_ids: int
+    """How many of its ids the reply's text holds (not the token that ended the turn)."""
 
 
 @dataclass
@@ -201,21 +206,28 @@ class History:
         return segment
 
     def record(self, segment: Segment, result: GenerateResult, request: ChatRequest) -> Turn:
-        """Append a model turn's ids as they are and build the reply the harness gets; BadRequest,
-        with nothing appended, when the reply does not satisfy the request's tool choice."""
+        """Append a model turn's ids (cut at a ``stop`` string) and build the reply the harness
+        gets; BadRequest, with nothing appended, when the reply does not satisfy the request
+        (tool choice, response format)."""
         ledger = segment.ledger
+        decode = ledger.codec.decode
         prompt_tokens = len(ledger.ids)
+        end = reply_end(result.token_ids.tolist(), result.finish_reason, ledger.eot_id, self.special_ids)
+        result, stop_at = cut_at_stop(result, request.stop, end, decode)
         ids = result.token_ids.tolist()
-        end = reply_end(ids, result.finish_reason, ledger.eot_id, self.special_ids)
-        content, calls = request.tool_choice.reply(ledger.codec.decode(ids[:end]),
-                                                   finished=result.finish_reason == "stop")
+        end = min(end, len(ids))
+        text = decode(ids[:end])
+        finished = result.finish_reason == "stop"
+        content, calls = request.tool_choice.reply(text if stop_at is None else text[:stop_at], finished=finished)
+        if finished and not calls:
+            request.response_format.check(content)
         ledger.add_turn(result)
         message = ChatMessage("assistant", content, calls)
         segment.known.append(message)
         segment.turns += 1
         segment.last_turn_at = next(self._turn_seq)
         finish = "length" if result.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        return Turn(message, finish, prompt_tokens)
+        return Turn(message, finish, prompt_tokens, result, end)
 
     @property
     def rewritten(self) -> bool:
@@ -269,14 +281,6 @@ class History:
             template_append_only=len(parts) == 1 and all(o.template_append_only for _, o in parts),
             segments=ranges, submitted=finish_reason == "completed", messages=last.messages, template_notes=notes,
             metrics=all_metrics)
-
-
-def reply_end(ids: list[int], finish_reason: str, eot_id: int, special_ids: frozenset[int]) -> int:
-    """How many of a turn's ids the reply's text holds: not the token that ended the turn (the
-    template's end of turn, or another special stop token such as ``<|endoftext|>``)."""
-    if ids and (ids[-1] == eot_id or (finish_reason == "stop" and ids[-1] in special_ids)):
-        return len(ids) - 1
-    return len(ids)
 
 
 def _context_full(message: str) -> BadRequest:

@@ -128,7 +128,7 @@ class OpenAIProxyServer:
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the request body is not valid JSON: {e}")
         try:
-            chat = parse_chat_request(body)
+            chat = parse_chat_request(body, unapplied=self.session.unapplied_fields)
             completion = await self.session.complete(chat)
         except BadRequest as e:
             return _error(400, str(e), code=_str(e.details.get("code")), param=_str(e.details.get("param")))

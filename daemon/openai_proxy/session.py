@@ -25,7 +25,8 @@ from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError, OperationTimeout
 
 from .history import History
-from .protocol import ChatRequest, Completion
+from .protocol import UNAPPLIED_MODES, ChatRequest, Completion
+from .reply import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,12 @@ class ProxyLimits:
 
 class ProxySession:
     def __init__(self, generate: Generate, tokenizer: Any, *, model: str, limits: ProxyLimits,
-                 template_check: str = "final") -> None:
+                 template_check: str = "final", unapplied_fields: str = "refuse") -> None:
+        if unapplied_fields not in UNAPPLIED_MODES:
+            raise ConfigError(f"unapplied_fields must be one of {UNAPPLIED_MODES}, got {unapplied_fields!r}")
+        self.unapplied_fields = unapplied_fields
+        """Request fields the proxy cannot apply (sampling fields): ``refuse`` (400 naming the
+        field) or ``report`` (accepted, listed in ``metrics["ignored_request_fields"]``)."""
         self._generate = generate
         self.model = model
         self.limits = limits
@@ -126,15 +132,17 @@ class ProxySession:
             self.end("max_tokens")  # this reply still goes out; the next request is refused
         self.tool_calls.update(c.name for c in turn.message.tool_calls)
         self.streamed += int(request.stream)
-        ids = result.token_ids.tolist()
+        recorded = turn.result
         logprobs = None
         if request.logprobs:
-            decode = ledger.codec.decode
-            logprobs = [(decode([i]), float(lp)) for i, lp in zip(ids, result.logprobs.tolist())]
+            decode, special = ledger.codec.decode, self.history.special_ids
+            ids = recorded.token_ids[:turn.reply_ids].tolist()
+            logprobs = [(decode([i]), float(lp), token_bytes(self.history.tokenizer, i, special, decode))
+                        for i, lp in zip(ids, recorded.logprobs.tolist())]
         return Completion(id="chatcmpl-" + secrets.token_hex(12), model=request.model, message=turn.message,
                           finish_reason=turn.finish_reason, prompt_tokens=turn.prompt_tokens,
-                          completion_tokens=len(ids), logprobs=logprobs,
-                          fingerprint=f"rolloutd-{result.weight_version}")
+                          completion_tokens=len(recorded.token_ids), logprobs=logprobs,
+                          fingerprint=f"rolloutd-{recorded.weight_version}")
 
     def outcome(self, finish_reason: str, *, keep: str = "all", metrics: dict[str, Any] | None = None) -> AgentOutcome:
         """The trajectory; call once no request is in flight (the server is closed)."""
