@@ -49,6 +49,7 @@ from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
 
+from .admission import context_exceeded
 from .protocol import ChatMessage, ChatRequest
 from .reply import cut_at_stop, reply_end
 
@@ -161,7 +162,7 @@ class History:
                     # extension exists, so the request gets a fresh render of its own.
                     return self._new_segment(request, (segment, str(e)))
                 if not fits:
-                    raise _context_full(f"the new messages do not fit: {segment.ledger.room} tokens are left under "
+                    raise context_exceeded(f"the new messages do not fit: {segment.ledger.room} tokens are left under "
                                         f"max_context_tokens={self.max_context_tokens}")
                 segment.known.extend(new)
             return segment
@@ -194,7 +195,7 @@ class History:
         except ConfigError as e:
             raise BadRequest(f"the chat template cannot render the conversation: {e}") from e
         if len(ledger.ids) >= self.max_context_tokens:
-            raise _context_full(f"the conversation is {len(ledger.ids)} tokens, not below "
+            raise context_exceeded(f"the conversation is {len(ledger.ids)} tokens, not below "
                                 f"max_context_tokens={self.max_context_tokens}")
         ledger.max_total_tokens = self.max_context_tokens
         segment = Segment(len(self.segments), ledger, request.tools_key, list(request.messages), reason, self.requests)
@@ -283,6 +284,3 @@ class History:
             metrics=all_metrics)
 
 
-def _context_full(message: str) -> BadRequest:
-    return BadRequest(message + "; the trajectory ends here (raise the agent's max_context_tokens for longer ones)",
-                      details={"code": "context_length_exceeded", "param": "messages"})

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 107
 MAX_BODY_BYTES = 64 * 1024 * 1024
 CLOSE_TIMEOUT_S = 5.0
+PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 def _error(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
@@ -123,8 +124,10 @@ class OpenAIProxyServer:
         return web.json_response(model_body(name, self._created))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            # A big body parses in a worker thread: the GIL passes back to the loop every few ms.
+            body = json.loads(raw) if len(raw) <= PARSE_ON_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the request body is not valid JSON: {e}")
         try:

@@ -18,13 +18,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError, OperationTimeout
 
 from .history import History
+from .admission import check_size
 from .protocol import UNAPPLIED_MODES, ChatRequest, Completion
 from .reply import token_bytes
 
@@ -34,6 +35,7 @@ Generate = Callable[[list[int], int], Awaitable[GenerateResult]]
 """(prompt ids, max tokens) -> one model turn; the agent context's ``generate``."""
 
 ENDED = "rolloutd_trajectory_ended"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,20 @@ class ProxyLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread. A cancelled caller (the harness hung up) still waits for
+    the thread, so the history is never touched by two requests at once (the caller holds the
+    session's lock)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # nobody is left to be told
+        raise
 
 
 class ProxySession:
@@ -102,7 +118,9 @@ class ProxySession:
             raise BadRequest(f"the trajectory used its {self.limits.max_requests} model turns (max_requests)",
                              details={"code": ENDED})
         try:
-            segment = self.history.prepare(request)
+            await check_size(request, self.history.tokenizer, self.limits.max_context_tokens)
+            # Rendering and encoding hold the loop for as long as the messages are long.
+            segment = await _off_loop(self.history.prepare, request)
         except BadRequest as e:
             if e.details.get("code") == "context_length_exceeded":
                 self.end("max_tokens")
