@@ -16,7 +16,7 @@ from agent_support import API_KEY, call, reference_tokenizer
 from openai_proxy_support import BASH_TOOL
 from rolloutd.daemon.inference.base import GenerateResult, SamplingParams
 from rolloutd.daemon.inference.pool import ServerPool
-from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
+from rolloutd.daemon.openai_proxy.server import MAX_BODY_BYTES, OpenAIProxyServer
 from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
 from rolloutd.daemon.policy.scripted import ScriptedPlans
 from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
@@ -54,7 +54,7 @@ class Proxy:
 
 @contextlib.asynccontextmanager
 async def proxy(state: Path, *, key: str = KEY, max_retries: int = 0, plans: dict[str, list[str]] | None = None,
-                tokenizer: Any = None, **limits: Any) -> AsyncIterator[Proxy]:
+                tokenizer: Any = None, max_body_bytes: int = MAX_BODY_BYTES, **limits: Any) -> AsyncIterator[Proxy]:
     async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=ScriptedPlans(plans or PLANS))) as policy, \
             await ServerPool.create([policy.url], api_key=API_KEY, health_interval_s=0) as pool:
         holder: list[Proxy] = []
@@ -71,7 +71,7 @@ async def proxy(state: Path, *, key: str = KEY, max_retries: int = 0, plans: dic
 
         session = ProxySession(generate, tokenizer or reference_tokenizer(), model=MODEL,
                                limits=ProxyLimits(**limits))
-        server = OpenAIProxyServer(session, api_key=KEY, socket_path=state / "api.sock")
+        server = OpenAIProxyServer(session, api_key=KEY, socket_path=state / "api.sock", max_body_bytes=max_body_bytes)
         await server.start()
         client = openai.AsyncOpenAI(api_key=key, base_url="http://localhost/v1", max_retries=max_retries,
                                     http_client=openai.DefaultAsyncHttpxClient(

@@ -190,7 +190,7 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
         raise BadRequest(f"{where} must be an object", details={"param": where})
-    role = ROLES.get(raw.get("role"))  # type: ignore[arg-type]
+    role = ROLES.get(raw["role"]) if isinstance(raw.get("role"), str) else None
     if role is None:
         raise BadRequest(f"{where}.role {raw.get('role')!r} is not one of {sorted(ROLES)}",
                          details={"param": f"{where}.role"})
