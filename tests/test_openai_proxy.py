@@ -202,6 +202,8 @@ async def test_openai_proxy_refuses_what_it_cannot_serve(short_tmp: Path) -> Non
             await turn(p, conversation(), temperature=0.1, top_p=0.5)
         assert e.value.param == "temperature" and e.value.code == "unsupported_parameter"
         assert p.results == []
+        # Fields that ask nothing of the reply are accepted.
+        await turn(p, conversation(), user="me", metadata={"run": "1"}, store=False)
         # Accepted and reported where the agent's unapplied_fields setting allows it.
         p.session.unapplied_fields = "report"
         await turn(p, conversation(), temperature=0.1, top_p=0.5, user="me")
