@@ -10,10 +10,12 @@ How the sequence grows::
 ``separator`` is what the template writes after an end-of-turn token (``"\\n"`` for ChatML): the
 model's turn stops AT its end-of-turn token, so the separator opens the next message. The framing
 around a message's content is taken once from the template by rendering a fixed base conversation
-(the trajectory's own system and user messages) plus a message holding a placeholder; later
-observations are that framing around their content, so a turn costs a few string joins and one
-encode of the new text, never a render of the history. A template that does not insert content
-verbatim (e.g. trims it) falls back to rendering base + message per observation.
+(the trajectory's own system and user messages) and a closed assistant turn plus a message
+holding a placeholder; later observations are that framing around their content, so a turn costs
+a few string joins and one encode of the new text, never a render of the history. A template
+that does not insert content verbatim (e.g. trims it), or renders a message's ``name`` or
+``tool_call_id``, falls back to rendering base + turn + message per observation; consecutive
+messages are rendered together (Qwen2.5 groups tool results into one user turn).
 
 The framing is learned once per tokenizer, tool list and base roles, from a base conversation
 whose contents are markers (a jinja render costs ~1 ms, and learning takes six). Each trajectory

@@ -12,7 +12,9 @@ Anything else is a **history rewrite**: an edited or dropped message, a changed 
 assistant message the model did not write, other tools, a reply regenerated. The request then
 starts a new segment from a fresh render of its messages; nothing is spliced into an existing
 segment. Several conversations of one harness (a main agent and a sub-agent) are several
-segments, each extended by its own requests.
+segments, each extended by its own requests. A request that does extend a segment whose chat
+template cannot append its messages token by token (the template re-renders earlier text for
+them) starts a new segment too; ``metrics["template_unextendable"]`` says why, once.
 
 What the trajectory holds (:meth:`History.outcome`):
 
@@ -162,8 +164,8 @@ class History:
                     # extension exists, so the request gets a fresh render of its own.
                     return self._new_segment(request, (segment, str(e)))
                 if not fits:
-                    raise context_exceeded(f"the new messages do not fit: {segment.ledger.room} tokens are left under "
-                                        f"max_context_tokens={self.max_context_tokens}")
+                    raise context_exceeded(f"the new messages do not fit: {segment.ledger.room} tokens are left "
+                                           f"under max_context_tokens={self.max_context_tokens}")
                 segment.known.extend(new)
             return segment
         return self._new_segment(request)
@@ -196,7 +198,7 @@ class History:
             raise BadRequest(f"the chat template cannot render the conversation: {e}") from e
         if len(ledger.ids) >= self.max_context_tokens:
             raise context_exceeded(f"the conversation is {len(ledger.ids)} tokens, not below "
-                                f"max_context_tokens={self.max_context_tokens}")
+                                   f"max_context_tokens={self.max_context_tokens}")
         ledger.max_total_tokens = self.max_context_tokens
         segment = Segment(len(self.segments), ledger, request.tools_key, list(request.messages), reason, self.requests)
         if self.segments:
@@ -282,5 +284,3 @@ class History:
             template_append_only=len(parts) == 1 and all(o.template_append_only for _, o in parts),
             segments=ranges, submitted=finish_reason == "completed", messages=last.messages, template_notes=notes,
             metrics=all_metrics)
-
-
