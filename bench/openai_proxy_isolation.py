@@ -38,17 +38,23 @@ from rolloutd.daemon.openai_proxy.admission import longest_token_bytes  # noqa: 
 TARGET_RATIO = 2.0
 
 
-async def b_turns(p: Any, n: int, until: asyncio.Future[Any] | None = None) -> list[float]:
-    """B's turn latencies: ``n`` turns, or (with ``until``) turns until it is done, at least ``n``."""
-    messages = conversation("p-2")
-    out: list[float] = []
-    while len(out) < n or (until is not None and not until.done()):
-        t0 = time.perf_counter()
-        choice = await turn(p, messages, tools=None)
-        out.append(time.perf_counter() - t0)
-        messages += [{"role": "assistant", "content": choice.message.content},
-                     {"role": "user", "content": f"Continue ({len(out)})."}]
-    return out
+class BSession:
+    """Session B: one conversation, extended by a user message per turn."""
+
+    def __init__(self, p: Any) -> None:
+        self.p = p
+        self.messages = conversation("p-2")
+
+    async def turns(self, n: int, until: asyncio.Future[Any] | None = None) -> list[float]:
+        """Latencies of ``n`` turns, or (with ``until``) of turns until it is done, at least ``n``."""
+        out: list[float] = []
+        while len(out) < n or (until is not None and not until.done()):
+            t0 = time.perf_counter()
+            choice = await turn(self.p, self.messages, tools=None)
+            out.append(time.perf_counter() - t0)
+            self.messages += [{"role": "assistant", "content": choice.message.content},
+                              {"role": "user", "content": f"Continue ({len(self.messages)})."}]
+        return out
 
 
 async def a_heavy(state: Path, text: str, max_context: int, repeats: int) -> tuple[list[float], str]:
@@ -87,7 +93,8 @@ async def bench(quick: bool) -> dict[str, Any]:
     fits = "word " * (8 * 1024 // 5)  # about 1600 tokens: within the reference policy's context
     # A context the message's bytes alone rule out (32768 tokens for 4 MB of the reference tokenizer).
     bytes_bound = min(32768, len(huge) // (2 * longest_token_bytes(reference_tokenizer())))
-    cases = {f"{megabytes}MB_bytes_bound": (huge, bytes_bound, 20),
+    rounds = 3 if quick else 6
+    cases = {f"{megabytes}MB_bytes_bound": (huge, bytes_bound, 5),
              f"{megabytes}MB_counted": (huge, len(huge) // 64 + 1024, 1),
              f"fits_{len(fits) // 1024}KB": (fits, 4 * 1024 * 1024, 3)}
     results: dict[str, Any] = {}
@@ -96,15 +103,23 @@ async def bench(quick: bool) -> dict[str, Any]:
         state_a.mkdir()
         state_b.mkdir()
         async with proxy(state_b, max_tokens_per_turn=32, max_requests=100_000, max_context_tokens=1 << 20) as b:
-            await b_turns(b, 3)  # warm-up
+            session_b = BSession(b)
+            await session_b.turns(3)  # warm-up
             for name, (text, max_context, repeats) in cases.items():
-                # The baseline just before each case: these machines' load drifts.
-                base = await b_turns(b, 10 if quick else 20)
-                heavy = asyncio.ensure_future(a_heavy(state_a, text, max_context, repeats))
-                lag = asyncio.ensure_future(loop_lag(heavy))
-                loaded = await b_turns(b, 5, until=heavy)
-                a_times, ended = await heavy
-                lags = await lag
+                base: list[float] = []
+                loaded: list[float] = []
+                lags: list[float] = []
+                a_times: list[float] = []
+                ended = ""
+                # Rounds of unloaded then loaded turns: these machines' load drifts.
+                for _ in range(rounds):
+                    base += await session_b.turns(4)
+                    heavy = asyncio.ensure_future(a_heavy(state_a, text, max_context, repeats))
+                    lag = asyncio.ensure_future(loop_lag(heavy))
+                    loaded += await session_b.turns(2, until=heavy)
+                    times, ended = await heavy
+                    a_times += times
+                    lags += await lag
                 results[name] = {"b_unloaded_p50_ms": percentile(base, 50) * 1e3,
                                  "b_p50_ms": percentile(loaded, 50) * 1e3, "b_max_ms": max(loaded) * 1e3,
                                  "b_turns": len(loaded), "a_request_s": percentile(a_times, 50), "a_outcome": ended,
