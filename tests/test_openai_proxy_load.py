@@ -43,13 +43,15 @@ async def test_requests_that_cannot_fit_are_refused_before_any_work(short_tmp: P
     huge = "word " * (800 * 1024)  # 4 MB
     # Over the bytes bound: refused on a length; and over the count's threshold with a context
     # the bytes allow: refused on the count. Neither renders or encodes the conversation.
-    cases = [(32768, huge), (COUNT_ABOVE_BYTES // longest + 1024, "word " * (COUNT_ABOVE_BYTES // 4))]
-    for max_context, text in cases:
+    cases = [(32768, huge, "bytes of text"), (2 * COUNT_ABOVE_BYTES // longest, "word " * (COUNT_ABOVE_BYTES // 4),
+                                                 "tokens, not below")]
+    for max_context, text, why in cases:
         assert len(text.encode()) > COUNT_ABOVE_BYTES
         async with proxy(short_tmp, tokenizer=tok, max_context_tokens=max_context) as p:
             with pytest.raises(openai.BadRequestError) as e:
                 await turn(p, with_message(text))
             assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+            assert why in e.value.message
             assert on_loop == [] and p.results == [] and p.session.stop_reason == "max_tokens"
 
 

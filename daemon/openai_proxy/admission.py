@@ -40,11 +40,13 @@ _LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def longest_token_bytes(tokenizer: Any) -> int:
-    """An upper bound on the bytes one token stands for: the longest vocabulary entry in UTF-8
-    (a byte-level piece has one character per byte, a SentencePiece piece at least as many bytes
-    as its text, a byte fallback ``<0xE2>`` six for one)."""
+    """An upper bound on the bytes one token stands for: the longest vocabulary entry, in
+    characters for a byte-level BPE (one character per byte), else in UTF-8 (a SentencePiece
+    piece holds at least as many bytes as its text, a byte fallback ``<0xE2>`` six for one)."""
     if tokenizer not in _LONGEST:
-        _LONGEST[tokenizer] = max(len(piece.encode()) for piece in tokenizer.get_vocab())
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        byte_level = type(decoder).__name__ == "ByteLevel"
+        _LONGEST[tokenizer] = max(len(piece) if byte_level else len(piece.encode()) for piece in tokenizer.get_vocab())
     return _LONGEST[tokenizer]
 
 
