@@ -59,13 +59,13 @@ async def proxy(state: Path, *, key: str = KEY, max_retries: int = 0, plans: dic
             await ServerPool.create([policy.url], api_key=API_KEY, health_interval_s=0) as pool:
         holder: list[Proxy] = []
 
-        async def generate(ids: list[int], max_tokens: int) -> GenerateResult:
+        async def generate(ids: list[int], max_tokens: int, top_logprobs: int) -> GenerateResult:
             p = holder[0]
             if p.fail_next:
                 p.fail_next -= 1
                 raise InferenceError("injected failure: every server failed this turn")
-            result = await pool.generate(ids, SamplingParams(max_tokens=max_tokens, seed=0), trajectory_id="t",
-                                         timeout_s=30)
+            params = SamplingParams(max_tokens=max_tokens, seed=0, top_logprobs=top_logprobs)
+            result = await pool.generate(ids, params, trajectory_id="t", timeout_s=30)
             p.results.append(result)
             return result
 

@@ -16,6 +16,7 @@ import pydantic
 from agent_support import call, reference_tokenizer
 from openai_proxy_inprocess import MODEL, as_sent, conversation, proxy, turn
 from openai_proxy_support import BASH_TOOL, decode
+from rolloutd.daemon.policy.model import default_model
 
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}
 TWO_CALLS = "Both.\n" + "\n".join(
@@ -175,14 +176,20 @@ async def test_response_format_is_validated_json_or_refused(short_tmp: Path) -> 
         assert len(p.results) == generated
 
 
-async def test_logprobs_carry_each_tokens_true_bytes_in_streams_too(short_tmp: Path) -> None:
+async def test_logprobs_carry_each_tokens_true_bytes_and_top_k_in_streams_too(short_tmp: Path) -> None:
     tok = reference_tokenizer()
     async with proxy(short_tmp, plans=PLANS) as p:
-        reply = await p.client.chat.completions.create(model=MODEL, messages=conversation("unicode"), logprobs=True)
+        reply = await p.client.chat.completions.create(model=MODEL, messages=conversation("unicode"), logprobs=True,
+                                                       top_logprobs=3)
         content = reply.choices[0].logprobs.content
+        prompt = p.session.history.segments[0].ledger.prompt_ids.tolist()
         other = [{"role": "system", "content": "Streaming."}, conversation("unicode")[1]]
-        async with p.client.chat.completions.stream(model=MODEL, messages=other, logprobs=True) as events:
+        async with p.client.chat.completions.stream(model=MODEL, messages=other, logprobs=True,
+                                                    top_logprobs=3) as events:
             streamed = (await events.get_final_completion()).choices[0].logprobs.content
+        # A backend that reports no top log-probabilities: refused, never an empty list.
+        generate = p.session._generate
+        p.session._generate = lambda ids, n, k: generate(ids, n, 0)
         with pytest.raises(openai.BadRequestError) as e:
             await p.client.chat.completions.create(model=MODEL, messages=other, logprobs=True, top_logprobs=2)
         assert e.value.param == "top_logprobs"
@@ -195,7 +202,18 @@ async def test_logprobs_carry_each_tokens_true_bytes_in_streams_too(short_tmp: P
     assert b"".join(bytes(c.bytes) for c in content) == UNICODE.encode()
     assert any(c.token == "\ufffd" for c in content) and all(c.bytes != list("\ufffd".encode()) for c in content)
     assert np.allclose([c.logprob for c in content], result.logprobs[:-1], atol=1e-6)
-    assert [c.bytes for c in streamed] == [c.bytes for c in content] and all(c.top_logprobs == [] for c in content)
+    assert [c.bytes for c in streamed] == [c.bytes for c in content]
+    # The top 3 at each position are the model's own: recomputed from its whole distribution.
+    model = default_model()
+    full = [*prompt, *result.token_ids.tolist()]
+    expected = model.next_logprobs(model.contexts(full)[len(prompt):len(full) - 1])
+    for c, row in zip(content, expected, strict=True):
+        best = np.argsort(-row, kind="stable")[:3]
+        assert [t.token for t in c.top_logprobs] == [tok.decode([int(i)]) for i in best]
+        assert np.allclose([t.logprob for t in c.top_logprobs], row[best], atol=1e-5)
+    second = p.results[1]
+    assert second.top_logprobs is not None
+    assert np.allclose([[t.logprob for t in c.top_logprobs] for c in streamed], second.top_logprobs[:-1], atol=1e-6)
 
 
 async def test_a_turn_ending_at_another_stop_token_does_not_return_it(short_tmp: Path) -> None:

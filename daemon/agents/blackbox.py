@@ -131,7 +131,8 @@ class BlackBoxAgent(Agent):
         folder.mkdir(mode=0o700, exist_ok=True)
         inside = f"{sb.run_dir_inside}/openai"
         key = secrets.token_urlsafe(24)
-        session = ProxySession(lambda ids, n: ctx.generate(ids, max_tokens=n), ctx.tokenizer, model=cfg.model_name,
+        session = ProxySession(lambda ids, n, k: ctx.generate(ids, max_tokens=n, top_logprobs=k), ctx.tokenizer,
+                               model=cfg.model_name,
                                limits=ProxyLimits(cfg.max_requests, cfg.max_context_tokens, cfg.max_tokens_per_turn),
                                template_check=cfg.template_check, unapplied_fields=cfg.unapplied_fields)
         server = OpenAIProxyServer(session, api_key=key, socket_path=folder / "api.sock")

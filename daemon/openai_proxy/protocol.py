@@ -130,6 +130,7 @@ class ChatRequest:
     include_usage: bool = False
     max_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
     stop: tuple[str, ...] = ()
     response_format: ResponseFormat = field(default_factory=ResponseFormat)
     ignored: list[str] = field(default_factory=list)
@@ -251,17 +252,13 @@ def parse_chat_request(body: Any, *, unapplied: str = "refuse") -> ChatRequest:
         raise BadRequest("top_logprobs must be an integer from 0 to 20", details={"param": "top_logprobs"})
     if top and not body.get("logprobs"):
         raise BadRequest("top_logprobs needs logprobs: true", details={"param": "top_logprobs"})
-    if top:
-        raise BadRequest("top_logprobs > 0 cannot be honoured: the inference backends return only the sampled "
-                         "token's log-probability; ask for logprobs with top_logprobs 0 or none",
-                         details={"param": "top_logprobs", "code": "unsupported_parameter"})
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", details={"param": "stream_options"})
     return ChatRequest(
         model=model, messages=messages, tools=tools or None, tool_choice=tool_choice, stream=bool(body.get("stream")),
         include_usage=bool(options and options.get("include_usage")), max_tokens=max_tokens,
-        logprobs=bool(body.get("logprobs")), stop=_stop(body.get("stop")),
+        logprobs=bool(body.get("logprobs")), top_logprobs=top or 0, stop=_stop(body.get("stop")),
         response_format=parse_response_format(body.get("response_format")), ignored=ignored)
 
 
@@ -331,6 +328,18 @@ def parse_reply(text: str) -> tuple[str | None, tuple[ToolCallItem, ...]]:
     return content or None, tuple(calls)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a reply as ``logprobs.content`` lists it."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+    """The bytes the token stands for (part of a character's, where it holds part of one)."""
+    top: list[tuple[str, float, bytes]]
+    """The most likely tokens at its position (token, log-probability, bytes), most likely first."""
+
+
 @dataclass
 class Completion:
     """One answered request, ready to be written as a completion or a chunk stream."""
@@ -342,9 +351,8 @@ class Completion:
     """``stop``, ``length`` or ``tool_calls``."""
     prompt_tokens: int
     completion_tokens: int
-    logprobs: list[tuple[str, float, bytes]] | None = None
-    """(token text, log-probability, the token's bytes) per token of the reply's text, when the
-    request asked for them."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per token of the reply's text, when the request asked for them."""
     fingerprint: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -355,8 +363,9 @@ class Completion:
     def _logprobs(self) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
-                            for t, lp, b in self.logprobs], "refusal": None}
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in e.top]}
+                            for e in self.logprobs], "refusal": None}
 
     def body(self) -> dict[str, Any]:
         logprobs = self._logprobs()

@@ -26,13 +26,14 @@ from rolloutd.native_io.errors import BadRequest, ConfigError, OperationTimeout
 
 from .history import History
 from .admission import check_size
-from .protocol import UNAPPLIED_MODES, ChatRequest, Completion
+from .protocol import UNAPPLIED_MODES, ChatRequest, Completion, TokenLogprob
 from .reply import token_bytes
 
 log = logging.getLogger(__name__)
 
-Generate = Callable[[list[int], int], Awaitable[GenerateResult]]
-"""(prompt ids, max tokens) -> one model turn; the agent context's ``generate``."""
+Generate = Callable[[list[int], int, int], Awaitable[GenerateResult]]
+"""(prompt ids, max tokens, top log-probabilities per position) -> one model turn; the agent
+context's ``generate``."""
 
 ENDED = "rolloutd_trajectory_ended"
 T = TypeVar("T")
@@ -134,13 +135,17 @@ class ProxySession:
         max_tokens = min(self.limits.max_tokens_per_turn, room, request.max_tokens or room)
         t0 = time.monotonic()
         try:
-            result = await self._generate(ledger.ids, max_tokens)
+            result = await self._generate(ledger.ids, max_tokens, request.top_logprobs)
         except OperationTimeout as e:
             self.end("timeout")
             raise BadRequest(f"the trajectory reached its deadline: {e}", details={"code": ENDED}) from e
         finally:
             self.generate_s += time.monotonic() - t0
         self.turns += 1
+        if request.top_logprobs and result.top_ids is None:
+            raise BadRequest(f"top_logprobs={request.top_logprobs} cannot be honoured: the inference server "
+                             f"{result.server} does not report top log-probabilities (the turn is not recorded)",
+                             details={"param": "top_logprobs", "code": "unsupported_parameter"})
         turn = self.history.record(segment, result, request)
         if result.finish_reason == "abort":
             self.end("cancelled")
@@ -153,14 +158,25 @@ class ProxySession:
         recorded = turn.result
         logprobs = None
         if request.logprobs:
-            decode, special = ledger.codec.decode, self.history.special_ids
-            ids = recorded.token_ids[:turn.reply_ids].tolist()
-            logprobs = [(decode([i]), float(lp), token_bytes(self.history.tokenizer, i, special, decode))
-                        for i, lp in zip(ids, recorded.logprobs.tolist())]
+            logprobs = self._logprobs(recorded, turn.reply_ids, ledger.codec.decode)
         return Completion(id="chatcmpl-" + secrets.token_hex(12), model=request.model, message=turn.message,
                           finish_reason=turn.finish_reason, prompt_tokens=turn.prompt_tokens,
                           completion_tokens=len(recorded.token_ids), logprobs=logprobs,
                           fingerprint=f"rolloutd-{recorded.weight_version}")
+
+    def _logprobs(self, result: GenerateResult, n: int, decode: Callable[[list[int]], str]) -> list[TokenLogprob]:
+        """The first ``n`` tokens of a turn as the API lists them, with their top alternatives."""
+        special = self.history.special_ids
+
+        def entry(token: int, logprob: float) -> tuple[str, float, bytes]:
+            return decode([token]), logprob, token_bytes(self.history.tokenizer, token, special, decode)
+
+        out = []
+        for i, (token, logprob) in enumerate(zip(result.token_ids[:n].tolist(), result.logprobs.tolist())):
+            top = [] if result.top_ids is None or result.top_logprobs is None else [
+                entry(t, lp) for t, lp in zip(result.top_ids[i].tolist(), result.top_logprobs[i].tolist())]
+            out.append(TokenLogprob(*entry(token, logprob), top))
+        return out
 
     def outcome(self, finish_reason: str, *, keep: str = "all", metrics: dict[str, Any] | None = None) -> AgentOutcome:
         """The trajectory; call once no request is in flight (the server is closed)."""
