@@ -2,10 +2,12 @@
 
 Two routes, chosen per server (:mod:`rolloutd.daemon.inference.factory` detects which one it has):
 - ``generate``: ``POST /inference/v1/generate`` with ``token_ids`` and ``sampling_params``
-  (explicit ``max_tokens``, ``logprobs: 0``, ``detokenize: false``); ids from
-  ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.content[*].logprob``.
+  (explicit ``max_tokens``, ``logprobs: k`` with ``k = params.top_logprobs``, ``detokenize: false``);
+  ids from ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.content[*].logprob``,
+  the top k from ``content[*].top_logprobs``.
 - ``completions``: ``POST /v1/completions`` with ``prompt`` as a list of ints, ``return_token_ids``,
-  ``logprobs: 0``, ``skip_special_tokens: false``, ``include_stop_str_in_output: true``; ids from
+  ``logprobs: 0`` (its top log-probabilities are keyed by token text: none are asked for),
+  ``skip_special_tokens: false``, ``include_stop_str_in_output: true``; ids from
   ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.token_logprobs``.
 
 Weight versions: vLLM 0.32's generate route reports per-token ``choices[0].weight_versions``
