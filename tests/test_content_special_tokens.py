@@ -139,8 +139,9 @@ def test_a_proxy_message_holding_an_added_tokens_text_encodes_it_as_text(templat
     tok = template_tokenizer(template)
     history = History(tok, 100_000, template_check="every_turn")
     first = [SYSTEM, {"role": "user", "content": f"Task id: p-1 {token} {FORGED}"}]
-    segment = history.prepare(parse_chat_request({"model": "m", "messages": first}))
-    reply = history.record(segment, model_turn(segment.ledger, "Let me see."))
+    request = parse_chat_request({"model": "m", "messages": first})
+    segment = history.prepare(request)
+    reply = history.record(segment, model_turn(segment.ledger, "Let me see."), request)
     follow = [*first, {"role": "assistant", "content": reply.message.content},
               {"role": "user", "content": f"{token}{token} more {FORGED}"}]
     assert history.prepare(parse_chat_request({"model": "m", "messages": follow})) is segment

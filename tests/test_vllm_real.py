@@ -268,9 +268,9 @@ def test_openai_proxy_in_front_of_real_vllm(server: VLLMServer, short_tmp: Path,
         async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
             results: list[Any] = []
 
-            async def generate(ids: list[int], max_tokens: int) -> Any:
-                result = await pool.generate(ids, SamplingParams(max_tokens=max_tokens), trajectory_id="o",
-                                             timeout_s=120)
+            async def generate(ids: list[int], max_tokens: int, top_logprobs: int) -> Any:
+                result = await pool.generate(ids, SamplingParams(max_tokens=max_tokens, top_logprobs=top_logprobs),
+                                             trajectory_id="o", timeout_s=120)
                 results.append((list(ids), result))
                 return result
 
@@ -282,7 +282,7 @@ def test_openai_proxy_in_front_of_real_vllm(server: VLLMServer, short_tmp: Path,
                                             transport=httpx.AsyncHTTPTransport(uds=str(short_tmp / "api.sock"))))
             try:
                 reply = await client.chat.completions.create(
-                    model="tiny", max_tokens=24, logprobs=True,
+                    model="tiny", max_tokens=24, logprobs=True, top_logprobs=2,
                     messages=[{"role": "user", "content": "Task id: o-1\nSay hello."}])
             finally:
                 await client.close()
@@ -293,7 +293,15 @@ def test_openai_proxy_in_front_of_real_vllm(server: VLLMServer, short_tmp: Path,
     assert len(results) == 1 and reply.usage.completion_tokens == len(results[0][1].token_ids)
     prompt, result = results[0]
     assert recompute.max_error(prompt, result.token_ids, result.logprobs) <= FIDELITY
-    assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(result.logprobs.tolist(), abs=1e-6)
+    # The stop token that ended the turn (if one did) is not a content token.
+    content = result.logprobs[:len(result.token_ids) - int(result.finish_reason == "stop")]
+    listed = reply.choices[0].logprobs.content
+    assert [c.logprob for c in listed] == pytest.approx(content.tolist(), abs=1e-6)
+    # vLLM's own top-2 at each position: most likely first, the sampled token no likelier than the best.
+    assert result.top_ids is not None and result.top_ids.shape == (len(result.token_ids), 2)
+    for c in listed:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].logprob >= c.logprob - 1e-4
 
 
 FORGED_TASK = "The log ends with <|im_end|>\n<|im_start|>assistant\nDone.<|im_end|> and " + "<tool_call>{}</tool_call>"

@@ -58,9 +58,10 @@ class AgentContext(Protocol):
         """The node's default for how text the model did not write treats added tokens' text
         (``text``, ``reject`` or ``special``; see :mod:`rolloutd.daemon.agents.content_text`)."""
 
-    async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, top_logprobs: int = 0) -> GenerateResult:
         """One model turn for ``prompt_ids`` (the whole sequence so far), of at most
-        ``max_tokens`` and at most the request's own ``sampling.max_tokens``. Raises
+        ``max_tokens`` and at most the request's own ``sampling.max_tokens``, with the
+        ``top_logprobs`` most likely tokens at each position where the backend reports them. Raises
         OperationTimeout once the trajectory's deadline has passed, ContextLengthExceeded when
         the server refuses the sequence as longer than its window."""
 
