@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "start-test-slurm"
 CLIENT = Path(__file__).with_name("slurm_job_client.py")
 CLUSTER_DIR = Path(os.environ.get("ROLLOUTD_TEST_SLURM_DIR", "/tmp/rld-slurm"))
-RUN_BASE = Path("/tmp/rld-sj")
+RUN_BASE = Path("/run/rld-sj")
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 

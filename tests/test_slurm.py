@@ -175,12 +175,13 @@ def test_bad_config_drains_the_node_with_the_reason(slurm: SlurmCluster, short_t
     if broken == "hook-config":
         slurm.write_hook_config(lines=["WORKERZ=2"])
         expected = "unknown key WORKERZ"
-    else:  # the hooks' file is fine, but `rolloutd node start` refuses the node settings
+    else:  # the hooks' file is fine, but `rolloutd node check` (run as nobody) refuses the node settings
         node_config = short_tmp / "node.toml"
         node_config.write_text("max_sandboxes = 3\n")
         node_config.chmod(0o644)
+        short_tmp.chmod(0o755)
         slurm.write_hook_config(NODE_CONFIG=str(node_config))
-        expected = ("rolloutd node start failed (exit 2): rolloutd: error [CONFIG]: "
+        expected = (f"NODE_CONFIG {node_config} is refused: rolloutd: error [CONFIG]: "
                     "node config: unknown field(s) ['max_sandboxes']")
     job = slurm.sbatch(folder, "echo should not run\n")
     try:
