@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,45 @@ def test_config_others_can_write_is_refused_as_root(short_tmp: Path) -> None:
         pytest.fail("the prolog runs as root; this check needs root (CI runs as root)")
     out = load(short_tmp, f"ROLLOUTD={ROLLOUTD}\n", mode=0o666)
     assert "must be owned by root and writable by root only" in out.stdout, out.stdout + out.stderr
+
+
+def shell_is_daemon(pid: int, run_dir: Path, uid: int) -> bool:
+    code = f'. {TEMPLATES}/rolloutd-slurm-lib.sh; rld_is_daemon "$1" "$2" "$3"'
+    return subprocess.run(["bash", "-c", code, "x", str(pid), str(run_dir), str(uid)]).returncode == 0
+
+
+def test_one_pid_rule_in_python_and_shell(short_tmp: Path) -> None:
+    """"This pid is the daemon of that run folder", asked of rolloutd.daemon.lifecycle.is_daemon
+    and the hooks' rld_is_daemon on the same real processes: both give the expected answer."""
+    from rolloutd.daemon.lifecycle import is_daemon
+
+    from os_users import ensure_test_user
+
+    user = ensure_test_user()
+    run, run10 = short_tmp / "job1", short_tmp / "job10"
+    hold = "sleep 60; :"  # the ':' keeps bash from exec'ing sleep, so its argv stays as given
+    procs = {
+        "pidfile-inside": subprocess.Popen(["bash", "-c", hold, "x", "--pidfile", f"{run}/node.pid"]),
+        "the-folder-itself": subprocess.Popen(["bash", "-c", hold, "x", "--run-dir", str(run)]),
+        "job10-not-job1": subprocess.Popen(["bash", "-c", hold, "x", "--pidfile", f"{run10}/node.pid"]),
+        "inside-another-argument": subprocess.Popen(["bash", "-c", hold, "x", f"--pidfile={run}/node.pid"]),
+        "another-user": subprocess.Popen(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+                                          "--clear-groups", "bash", "-c", hold, "x", f"{run}/node.pid"]),
+        "zombie": subprocess.Popen(["bash", "-c", "exit 0", "x", f"{run}/node.pid"]),
+    }
+    expected = {"pidfile-inside": True, "the-folder-itself": True, "job10-not-job1": False,
+                "inside-another-argument": False, "another-user": False, "zombie": False}
+    try:
+        deadline = time.monotonic() + 10  # exited and not reaped (Popen.poll would reap it)
+        while Path(f"/proc/{procs['zombie'].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the zombie-to-be did not exit within 10 s"
+            time.sleep(0.02)
+        answers = {name: (is_daemon(p.pid, run, os.getuid()), shell_is_daemon(p.pid, run, os.getuid()))
+                   for name, p in procs.items()}
+        assert answers == {name: (want, want) for name, want in expected.items()}
+        gone = procs["pidfile-inside"].pid
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    assert (is_daemon(gone, run, os.getuid()), shell_is_daemon(gone, run, os.getuid())) == (False, False)
