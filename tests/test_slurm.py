@@ -190,20 +190,31 @@ def test_job_with_apptainer_sandboxes(slurm: SlurmCluster, short_tmp: Path) -> N
 
 
 def test_single_node_template(slurm: SlurmCluster, short_tmp: Path) -> None:
-    """slurm_templates/sbatch-single-node.sh as shipped, with the reference CPU policy standing in
-    for vLLM and the test client for the trainer."""
+    """slurm_templates/sbatch-single-node.sh as shipped, with the reference CPU policy (scripted,
+    key-protected) standing in for vLLM and the test client for the trainer: the template hands
+    the server and its key to the prolog's daemon, and a rollout runs end to end through it."""
+    from rolloutd.daemon.tasks.datasets import oracle_plans
+
     folder = slurm.job_dir(short_tmp)
+    plans = folder / "plans.json"
+    plans.write_text(json.dumps({"plans": oracle_plans()}))
+    plans.chmod(0o644)
+    task = sorted(oracle_plans())[0]
     port = free_port()
     rolloutd = Path(PY).with_name("rolloutd")
     job = slurm.sbatch(folder, TEMPLATES / "sbatch-single-node.sh", "--cpus-per-task=1", "--gres=none", env={
         "INFERENCE_PORT": str(port),
-        "INFERENCE_CMD": f"{rolloutd} policy-server --port {port} --api-key test",
-        "TRAINER_CMD": f"{PY} {CLIENT}",
+        "INFERENCE_CMD": f"{rolloutd} policy-server --port {port} --scripted {plans}",
+        "INFERENCE_API_KEY": "sekrit-of-this-job",
+        "TRAINER_CMD": f"env ROLLOUTD_POLICY_API_KEY= ROLLOUTD_TEST_ROLLOUT_TASK={task} {PY} {CLIENT}",
+        "ROLLOUTD_POLICY_API_KEY": "sekrit-of-this-job",
         "ROLLOUTD_PYTHON": PY,
     })
     out = folder / f"{job}.out"
-    assert slurm.wait_done(job) == "COMPLETED", out.read_text()
+    assert slurm.wait_done(job, timeout_s=240) == "COMPLETED", out.read_text()
     report = json.loads(out.read_text().strip().splitlines()[-1])
     assert report["inference_health"] == [200]
     assert report["output"] == f"hi\n{slurm.user.pw_uid}\n"
+    assert report["rollout"] == {"task": task, "reward": 1.0, "ended_by": "model", "turns": report["rollout"]["turns"]}
+    assert report["rollout"]["turns"] >= 1
     slurm.assert_daemon_gone(RUN_BASE / f"job{job}", report["daemon_pid"])
