@@ -102,3 +102,29 @@ def test_one_pid_rule_in_python_and_shell(short_tmp: Path) -> None:
             p.kill()
             p.wait()
     assert (is_daemon(gone, run, os.getuid()), shell_is_daemon(gone, run, os.getuid())) == (False, False)
+
+
+def test_user_text_is_escaped_for_logs() -> None:
+    """What a job's user can influence reaches hooks.log, drain reasons and job output on one line,
+    control and non-ASCII bytes replaced, length capped."""
+    code = f'. {TEMPLATES}/rolloutd-slurm-lib.sh; rld_clean "$1" 40'
+    text = "fake line\n2026-12-05 rolloutd-slurm epilog job 1: \x1b[2Jok \u00e9" + "x" * 100
+    out = subprocess.run(["bash", "-c", code, "x", text], capture_output=True).stdout
+    assert out == b"fake line | 2026-12-05 rolloutd-slurm ep"
+    out = subprocess.run(["bash", "-c", f'. {TEMPLATES}/rolloutd-slurm-lib.sh; rld_clean "$1"', "x", "a\x1b[2J\u00e9"],
+                         capture_output=True).stdout
+    assert out == b"a?[2J??"
+
+
+def test_node_stop_on_another_users_folder_says_so(short_tmp: Path) -> None:
+    from os_users import ensure_test_user
+
+    user = ensure_test_user()
+    run = short_tmp / "theirs"
+    run.mkdir(mode=0o700)
+    short_tmp.chmod(0o755)
+    out = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                          ROLLOUTD, "node", "stop", "--run-dir", str(run)], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (f"rolloutd: error [PERMISSION_DENIED]: cannot look into the run folder {run}: it "
+                                  f"belongs to uid 0, not to you (uid {user.pw_uid}); run this as its owner")
