@@ -5,6 +5,7 @@ them run as the ordinary user; the test process (root) only checks."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm_support import (
+    CLIENT,
     PY,
     RUN_BASE,
     SlurmCluster,
@@ -245,3 +247,41 @@ def test_killing_worker_1_spares_worker_10(slurm: SlurmCluster, short_tmp: Path)
     (folder / "release").touch()
     assert slurm.wait_done(job) == "COMPLETED"
     slurm.assert_daemon_gone(run_dir, daemon)
+
+
+def test_users_inference_key_reaches_the_daemon_not_its_sandboxes(slurm: SlurmCluster, short_tmp: Path) -> None:
+    """The user's key in ~/.rolloutd/inference_api_key (0600): the prolog's daemon authenticates
+    with it to the job's key-protected inference server (a bundled task rolls out to reward 1),
+    while a local-backend sandbox sees neither the key nor the daemon's configuration."""
+    from rolloutd.daemon.tasks.datasets import oracle_plans
+
+    key = f"user-key-{secrets.token_hex(6)}"
+    home = Path(slurm.user.pw_dir)
+    out = slurm.as_user("bash", "-c", f"umask 077 && mkdir -p ~/.rolloutd && echo {key} > ~/.rolloutd/inference_api_key")
+    assert out.returncode == 0, out.stderr
+    folder = slurm.job_dir(short_tmp)
+    plans = folder / "plans.json"
+    plans.write_text(json.dumps({"plans": oracle_plans()}))
+    plans.chmod(0o644)
+    task = sorted(oracle_plans())[0]
+    rolloutd = Path(PY).with_name("rolloutd")
+    script = (
+        f"ROLLOUTD_POLICY_API_KEY={key} {rolloutd} policy-server --port 0 --scripted {plans} > {folder}/policy.out &\n"
+        f"while ! grep -q READY {folder}/policy.out; do sleep 0.2; done\n"
+        f"url=$(awk '/READY/ {{print $2}}' {folder}/policy.out)\n"
+        f"{PY} -c 'import sys; from rolloutd.client.sync_client import RolloutClient; "
+        f"RolloutClient().add_inference_server(sys.argv[1])' \"$url\"\n"
+        f"ROLLOUTD_TEST_ROLLOUT_TASK={task} {PY} {CLIENT} 'env; echo end-of-env'\n"
+        "kill %1\n"
+    )
+    try:
+        job = slurm.sbatch(folder, script, "--time=5")
+        text_of = lambda: (folder / f"{job}.out").read_text()  # noqa: E731
+        assert slurm.wait_done(job, timeout_s=240) == "COMPLETED", text_of()
+    finally:
+        (home / ".rolloutd" / "inference_api_key").unlink(missing_ok=True)
+    (line,) = [line for line in text_of().splitlines() if line.startswith('{"address"')]
+    report = json.loads(line)
+    assert report["output"].endswith("end-of-env\n")
+    assert key not in report["output"] and "ROLLOUTD_NODE_CONFIG_JSON" not in report["output"], report["output"]
+    assert report["rollout"]["reward"] == 1.0 and report["rollout"]["ended_by"] == "model", report["rollout"]
