@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -285,3 +286,37 @@ def test_users_inference_key_reaches_the_daemon_not_its_sandboxes(slurm: SlurmCl
     assert report["output"].endswith("end-of-env\n")
     assert key not in report["output"] and "ROLLOUTD_NODE_CONFIG_JSON" not in report["output"], report["output"]
     assert report["rollout"]["reward"] == 1.0 and report["rollout"]["ended_by"] == "model", report["rollout"]
+
+
+def test_multi_node_job_without_keys_fails_only_that_job(slurm: SlurmCluster) -> None:
+    """A job on two nodes from a user who never made CURVE keys. The one-node cluster cannot
+    allocate two nodes, so the installed hooks run as slurmd runs them, with a two-node job's
+    variables: the Prolog keeps the node in service, the TaskProlog (as the user) prints why and
+    fails the task, the Epilog cleans up. The old Prolog drained the node."""
+    shutil.rmtree(Path(slurm.user.pw_dir) / ".rolloutd" / "keys", ignore_errors=True)
+    slurm.write_hook_config(ROUTER_PORT_BASE="7100")
+    job = 900000 + secrets.randbelow(99999)
+    env = {**slurm.env, "SLURM_JOB_ID": str(job), "SLURM_JOB_USER": slurm.user.pw_name,
+           "SLURM_JOB_UID": str(slurm.user.pw_uid), "SLURM_NODELIST": f"{slurm.host},{slurm.host}-b",
+           "SLURMD_NODENAME": slurm.host, "SLURM_JOB_CPUS_PER_NODE": "1(x2)"}
+    try:
+        prolog = subprocess.run([str(slurm.hooks / "prolog.sh")], env=env, capture_output=True, text=True,
+                                timeout=120, cwd="/")
+        assert prolog.returncode == 0, prolog.stderr
+        assert_in_service(slurm)
+        task = slurm.as_user(str(slurm.hooks / "taskprolog.sh"), env=env)
+        keys = f"{slurm.user.pw_dir}/.rolloutd/keys"
+        assert task.returncode == 1
+        assert task.stdout.startswith(
+            f"print rolloutd: the Prolog could not start this job's node daemon on {slurm.host}: this multi-node job "
+            f"needs your CURVE keys in {keys} (run once: rolloutd keygen router --dir {keys}"), task.stdout
+        assert "export ROLLOUTD_ADDRESS" not in task.stdout
+        assert not (RUN_BASE / f"job{job}").exists()
+    finally:
+        epilog = subprocess.run([str(slurm.hooks / "epilog.sh")], env=env, capture_output=True, text=True,
+                                timeout=120, cwd="/")
+        if "DRAIN" in slurm.node_fields().get("State", ""):
+            slurm.root("scontrol", "update", f"NodeName={slurm.host}", "State=RESUME", check=False)
+    assert epilog.returncode == 0, epilog.stderr
+    assert not (RUN_BASE / f"job{job}.failed").exists()
+    assert_in_service(slurm)
