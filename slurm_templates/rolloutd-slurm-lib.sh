@@ -126,6 +126,15 @@ rld_check_config() {
   done
   [ -z "$RLD_NODE_CONFIG" ] || [ -r "$RLD_NODE_CONFIG" ] \
     || rld_err "$f: NODE_CONFIG=$RLD_NODE_CONFIG is not a readable file" || return 1
+  if [ -n "$RLD_NODE_CONFIG" ] && [ "$(id -u)" = 0 ]; then
+    # Every job's daemon reads it: a user who could change it would configure everyone's.
+    local info dir
+    info=$(stat -c '%F|%u|%a' -- "$RLD_NODE_CONFIG") dir=$(stat -c '%F|%u|%a' -- "$(dirname -- "$RLD_NODE_CONFIG")")
+    if [[ $info != "regular file|0|"* || $dir != "directory|0|"* ]] || (( 8#${info##*|} & 8#022 || 8#${dir##*|} & 8#022 )); then
+      rld_err "$f: NODE_CONFIG=$RLD_NODE_CONFIG and its folder must be root's and writable by root only (file: $info, folder: $dir)"
+      return 1
+    fi
+  fi
   [ -n "$RLD_HOOK_LOG" ] || RLD_HOOK_LOG=$RLD_RUN_BASE/hooks.log
   [[ $RLD_HOOK_LOG == /?* ]] || rld_err "$f: HOOK_LOG=$RLD_HOOK_LOG must be an absolute path" || return 1
 }

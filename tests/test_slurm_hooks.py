@@ -62,6 +62,19 @@ def test_config_others_can_write_is_refused_as_root(short_tmp: Path) -> None:
     assert "must be owned by root and writable by root only" in out.stdout, out.stdout + out.stderr
 
 
+def test_node_config_others_can_write_is_refused_as_root(short_tmp: Path) -> None:
+    if os.getuid() != 0:
+        pytest.fail("the prolog runs as root; this check needs root (CI runs as root)")
+    node = short_tmp / "node.toml"
+    node.write_text("workers = 1\n")
+    node.chmod(0o644)
+    assert load(short_tmp, f"ROLLOUTD={ROLLOUTD}\nNODE_CONFIG={node}\n").stdout.startswith(f"{short_tmp}/"), \
+        "a root-owned 0644 node config is accepted"
+    node.chmod(0o666)
+    out = load(short_tmp, f"ROLLOUTD={ROLLOUTD}\nNODE_CONFIG={node}\n")
+    assert f"NODE_CONFIG={node} and its folder must be root's and writable by root only" in out.stdout, out.stdout
+
+
 def shell_is_daemon(pid: int, run_dir: Path, uid: int) -> bool:
     code = f'. {TEMPLATES}/rolloutd-slurm-lib.sh; rld_is_daemon "$1" "$2" "$3"'
     return subprocess.run(["bash", "-c", code, "x", str(pid), str(run_dir), str(uid)]).returncode == 0
