@@ -82,9 +82,9 @@ def is_daemon(pid: int, run_path: Path, uid: int) -> bool:
 
 def daemon_pid(run_path: Path, kind: str, uid: int | None = None) -> int | None:
     """The daemon of ``kind`` serving ``run_path``: the holder of its run-folder lock, when that
-    process is the folder's daemon by :func:`is_daemon`; None when none runs. A lock file linked
-    to another folder's (a user can do that in their own folders) names the other daemon, which
-    the rule refuses, so ``stop`` never signals it."""
+    process is the folder's daemon by :func:`is_daemon` (for ``uid``, default the folder's
+    owner); None when none runs. A lock file linked to another folder's (a user can do that in
+    their own folders) names the other daemon, which the rule refuses, so ``stop`` never signals it."""
     try:
         holder = running_pid(run_path, kind)
     except PermissionError as e:
@@ -96,10 +96,12 @@ def daemon_pid(run_path: Path, kind: str, uid: int | None = None) -> int | None:
                                f"(uid {os.getuid()}); run this as its owner") from e
     if holder is None:
         return None
-    if not is_daemon(holder, run_path, os.getuid() if uid is None else uid):
+    # A daemon runs as its run folder's owner (it made the folder, or the Slurm prolog made it
+    # for the job's user): root stopping a user's daemon expects that user, not root.
+    if not is_daemon(holder, run_path, run_path.stat().st_uid if uid is None else uid):
         raise DaemonRunning(
-            f"pid {holder} holds {run_path}/{kind}.lock but is not the {kind} daemon of {run_path} (not "
-            f"your process, or its command line does not name {run_path}); it was left untouched. Stop it "
+            f"pid {holder} holds {run_path}/{kind}.lock but is not the {kind} daemon of {run_path} (not run by "
+            f"the folder's owner, or its command line does not name {run_path}); it was left untouched. Stop it "
             "yourself, or start daemons with --run-dir so that they can be told apart"
         )
     return holder

@@ -216,6 +216,7 @@ rld_prepare_base() {
 rld_user_ids() {
   local entry
   entry=$(timeout "$RLD_CMD_TIMEOUT_S" getent passwd "$1") || return 1
+  local uid gid home
   IFS=: read -r _ _ uid gid _ home _ <<<"$entry"
   printf '%s %s %s\n' "$uid" "$gid" "$home"
 }
