@@ -5,6 +5,12 @@
 #   1. rolloutd-slurm.conf beside the hook as Slurm calls it (e.g. /etc/slurm/rolloutd-slurm.conf),
 #   2. else /etc/rolloutd/slurm.conf.
 # The file is parsed, never sourced: KEY=value lines, '#' comments, unknown keys are errors.
+#
+# Root-side rules (README, Slurm): root never opens, follows or reads a path a job's user can
+# write (their run folder, their home): such reads run as that user (rld_as_uid) with a size cap
+# and a time limit; RUN_BASE and the hook log's folder are checked to be root's alone before
+# any use; user text is escaped (rld_clean) before it reaches a log, a drain reason or a job's
+# output; a pid is signalled only when rld_is_daemon says it is the job's daemon.
 # shellcheck shell=bash
 
 RLD_SAFE_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
