@@ -150,9 +150,9 @@ def test_run_base_no_user_can_create_first(slurm: SlurmCluster, short_tmp: Path)
     job = slurm.sbatch(folder, "echo should not run\n")
     try:
         wait_until("the node drains", lambda: "DRAIN" in slurm.node_fields().get("State", ""), 60)
+        assert not planted.exists() and not planted.is_symlink(), "root wrote through the user's link"
         reason = slurm.node_fields()["Reason"]
         assert reason.startswith("rolloutd prolog: RUN_BASE ") and "/tmp is writable by others" in reason, reason
-        assert not planted.exists() and not planted.is_symlink(), "root wrote through the user's link"
         assert os.readlink(base / "hooks.log") == str(planted)
     finally:
         planted.unlink(missing_ok=True)
