@@ -16,9 +16,8 @@ from rolloutd.native_io import shm
 
 from . import lifecycle
 from .config import NodeConfig
-from .lifecycle import DaemonProcess
+from .lifecycle import DaemonProcess, daemon_pid
 from .reaper import reap_state_dir
-from .run_lock import running_pid
 from .sandbox_user import workers_dir
 from .supervisor import Supervisor
 
@@ -44,7 +43,7 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
 
 
 def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = running_pid(config.run_path, "node")
+    pid = daemon_pid(config.run_path, "node")
     if pid is None:
         print(f"no node daemon running for {config.run_path}")
         _cleanup_after(config, None)

@@ -46,7 +46,7 @@ from rolloutd.native_io.zmq_sockets import make_socket
 
 from .config import NodeConfig
 from .curve import CurveClient, watch_handshakes
-from .run_lock import running_pid
+from .lifecycle import daemon_pid
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
 
 def drain_node(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
     """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    pid = running_pid(config.run_path, "node")
+    pid = daemon_pid(config.run_path, "node")
     state = read_state(config.run_path)
     if pid is None:
         raise RolloutdError(f"no node daemon running for {config.run_path}")

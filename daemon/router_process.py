@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from . import lifecycle
-from .lifecycle import DaemonProcess
+from .lifecycle import DaemonProcess, daemon_pid
 from .router import Router
 from .router_config import RouterConfig
-from .run_lock import running_pid
 
 CONFIG_ENV = "ROLLOUTD_ROUTER_CONFIG_JSON"
 
@@ -37,7 +36,7 @@ def start_detached(config: RouterConfig, pidfile: Path, log_file: Path | None, r
 
 
 def stop(config: RouterConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = running_pid(config.run_path, "router")
+    pid = daemon_pid(config.run_path, "router")
     if pid is None:
         print(f"no router running for {config.run_path}")
     else:
