@@ -102,3 +102,20 @@ async def test_swe_task_from_files_with_test_patch(lease: Lease, short_tmp: Path
     await lease.run("git checkout -q -- . && git clean -fdq && sed -i 's/x + 1/x * 2/' calc.py")
     assert (await swe.evaluate(task, lease, workdir, timeout_s=60)).reward == 1.0
     shutil.rmtree(short_tmp / "swe", ignore_errors=True)
+
+
+def test_a_dataset_with_a_repeated_instance_id_is_an_error(tmp_path: Path) -> None:
+    """Two records with one id: which one a request meant cannot be known, so neither is used
+    (it was the last one, silently); a file edited in place is read again."""
+    def record(value: int) -> str:
+        return json.dumps({"instance_id": "dup-1", "problem_statement": "p", "files": {"m.py": f"X = {value}\n"},
+                           "FAIL_TO_PASS": ["tests/test_m.py::test_x"]}) + "\n"
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(record(1) + record(2))
+    with pytest.raises(TaskError, match=r"tasks.jsonl:2: instance_id 'dup-1' is already the record of line 1"):
+        resolve_task(str(data), "dup-1", None)
+    data.write_text(record(3))
+    assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 3\n"}
+    data.write_text(record(4) + "\n")
+    assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 4\n"}
