@@ -58,7 +58,7 @@ def test_keys_and_rows() -> None:
         assert type(out["rewards"][i]) is float and out["rewards"][i] == t.reward
         tid = out["trajectory_ids"][i]
         assert (tid.instance_id, tid.repetition_id) == (t.task_id, t.sample_index)
-        assert out["env_metrics"][i] == t.metrics
+        assert out["env_metrics"][i] == {**t.metrics, "weight_versions": t.weight_versions, "straddled_turns": []}
     assert out["trajectory_ids"][1].to_string() == "task-b_1"
     assert {f.name for f in dataclasses.fields(SkyRLTrajectoryID)} == {"instance_id", "repetition_id"}
     # SkyRL zeroes rewards and (with overlong filtering) loss masks unless the reason is "stop"

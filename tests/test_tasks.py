@@ -119,3 +119,18 @@ def test_a_dataset_with_a_repeated_instance_id_is_an_error(tmp_path: Path) -> No
     assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 3\n"}
     data.write_text(record(4) + "\n")
     assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 4\n"}
+
+
+async def test_an_eval_that_times_out_is_no_score(lease: Lease, short_tmp: Path) -> None:
+    """Tests that outlive the eval deadline raise a time-out (the sample ends ``eval_timeout``,
+    untrained) instead of scoring 0.0 as if the model had failed them."""
+    cmd = get_task_type("command")
+    task = resolve_task("", "", {"type": "command", "instance_id": "slow-eval", "eval_script": "sleep 30; echo 1"})
+    with pytest.raises(TimeoutError):
+        await cmd.evaluate(task, lease, await cmd.setup(task, lease, cache_dir=short_tmp), timeout_s=0.5)
+    record = {"instance_id": "slow-swe", "problem_statement": "p", "files": {"tests/__init__.py": "",
+              "tests/test_slow.py": "import time\n\ndef test_slow():\n    time.sleep(30)\n"},
+              "FAIL_TO_PASS": ["tests/test_slow.py::test_slow"]}
+    swe, task = get_task_type("swe"), resolve_task("", "", record)
+    with pytest.raises(TimeoutError):
+        await swe.evaluate(task, lease, await swe.setup(task, lease, cache_dir=short_tmp), timeout_s=1.0)

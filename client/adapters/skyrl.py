@@ -25,6 +25,7 @@ from rolloutd.client.adapters.common import (
     stage_times,
     trained_mask,
     trainer_module,
+    turn_versions,
 )
 from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest
@@ -143,7 +144,7 @@ def to_skyrl_generator_output(
         ),
         "rollout_expert_indices": None,
         "is_last_step": None,
-        "env_metrics": [dict(t.metrics) for t in trajs],
+        "env_metrics": [{**t.metrics, **turn_versions(t)} for t in trajs],
     }
     keys = [k for k in mod.GeneratorOutput.__annotations__ if k not in _VISION_KEYS] if mod else GENERATOR_OUTPUT_KEYS
     return {k: values.get(k) for k in keys}

@@ -104,6 +104,10 @@ class GenerateResult:
     """The server's own per-token weight versions (vLLM >= 0.32 reports them), covering every
     generated id in order; empty when the protocol reports none. ``weight_version`` is then the
     last span's version (the newest weights that produced a token of this call)."""
+    sent_version: str = ""
+    """The pool's weight version when the call was sent (filled in by the pool)."""
+    straddled: bool = False
+    """Tokens of more than one weight version may be in it (filled in by the pool)."""
 
 
 class InferenceBackend(ABC):
