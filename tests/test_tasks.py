@@ -134,3 +134,55 @@ async def test_an_eval_that_times_out_is_no_score(lease: Lease, short_tmp: Path)
     swe, task = get_task_type("swe"), resolve_task("", "", record)
     with pytest.raises(TimeoutError):
         await swe.evaluate(task, lease, await swe.setup(task, lease, cache_dir=short_tmp), timeout_s=1.0)
+
+
+TRICKY_TESTS = '''import pytest
+
+
+@pytest.mark.parametrize("expr", ["1 + 1", "[x]", "\\u00e9", "a::b", "\\u4e2d \\u6587"])
+def test_eval(expr):
+    assert expr
+
+
+class TestOuter:
+    class TestInner:
+        def test_deep(self):
+            assert True
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown")
+
+
+def test_passes_then_breaks_teardown(broken_teardown):
+    assert True
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_odd(n):
+    assert n % 2 == 1
+'''
+
+
+@pytest.mark.parametrize("ids, reward", [
+    (["tests/test_ids.py::test_eval[1 + 1]", "tests/test_ids.py::test_eval[[x]]",
+      "tests/test_ids.py::test_eval[a::b]", "tests/test_ids.py::TestOuter::TestInner::test_deep",
+      "tests/test_ids.py::test_eval[\u00e9]", "tests/test_ids.py::test_eval[\\xe9]",
+      "tests/test_ids.py::test_eval[\u4e2d \u6587]", "tests/test_ids.py::test_odd[1]"], 1.0),
+    (["tests/test_ids.py::test_eval[1 + 1]", "tests/test_ids.py::test_odd[2]"], 0.0),
+    (["tests/test_ids.py::test_passes_then_breaks_teardown"], 0.0),
+    (["tests/test_ids.py::test_eval[1 +]"], 0.0),  # no such test: not a pass
+])
+async def test_swe_grading_reads_the_report_not_the_summary(lease: Lease, short_tmp: Path, ids: list[str],
+                                                              reward: float) -> None:
+    """Node ids with spaces, brackets, unicode and nested ``::`` are graded by what pytest ran
+    (issue 27: the summary regex cut ``test_eval[1 + 1]`` at the space and scored 0.0)."""
+    record = {"instance_id": "ids-1", "problem_statement": "p", "FAIL_TO_PASS": ids,
+              "files": {"tests/__init__.py": "", "tests/test_ids.py": TRICKY_TESTS}}
+    swe, task = get_task_type("swe"), resolve_task("", "", record)
+    result = await swe.evaluate(task, lease, await swe.setup(task, lease, cache_dir=short_tmp), timeout_s=120)
+    assert result.reward == reward, result.details
+    if reward == 1.0:
+        assert result.details["failed_fail_to_pass"] == []

@@ -10,13 +10,19 @@ Record fields (JSONL, one task per line):
   over the repository, and/or ``test_patch`` (a unified diff applied with ``git apply``);
 - optional ``image`` (default ``default``) and ``test_command`` (default ``python3 -m pytest``).
 
-Evaluation runs the listed tests in the sandbox the agent worked in: reward 1 when every
-FAIL_TO_PASS test now passes and every PASS_TO_PASS test still passes, else 0.
+Evaluation runs the test files of the listed tests in the sandbox the agent worked in, with a
+small pytest plugin (:mod:`pytest_report`) that writes each test's outcome under its node id:
+reward 1 when every FAIL_TO_PASS test now passes and every PASS_TO_PASS test still passes, else 0.
+Ids are matched exactly (spaces, brackets, nested ``::``), with non-ASCII characters compared in
+pytest's escaped form (``test_x[é]`` and ``test_x[\\xe9]`` are one test). Tests that outlive
+``eval_timeout_s`` raise (the sample ends ``eval_timeout``, no score); a run that writes no report
+is the task's error (its ``test_command`` must be pytest), never a reward of 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shlex
 import shutil
@@ -27,13 +33,16 @@ from typing import TYPE_CHECKING, Any
 from rolloutd.native_io.errors import TaskError
 
 from .base import EvalResult, Task, TaskType, require
-from .sandbox_files import IGNORED, copy_tree_in, write_file
+from .sandbox_files import IGNORED, copy_tree_in, read_file, write_file
 
 if TYPE_CHECKING:
     from ..sandbox.pool import Lease
 
-_RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 REPO_FOLDER = "repo"
+REPORT_PLUGIN = Path(__file__).with_name("pytest_report.py")
+PLUGIN_MODULE = "rolloutd_pytest_report"
+"""Its module name in the sandbox: one no project has (the test run's folder comes first on sys.path)."""
+REPORT_MAX_BYTES = 64 << 20
 
 
 class SweTaskType(TaskType):
@@ -107,18 +116,41 @@ class SweTaskType(TaskType):
             if r.exit_code != 0:
                 return EvalResult(0.0, {"error": f"test patch does not apply: {r.output[-500:]}"})
         f2p, p2p = rec["FAIL_TO_PASS"], rec.get("PASS_TO_PASS", [])
-        tests = " ".join(shlex.quote(t) for t in [*f2p, *p2p])
+        # Whole files, not ids: pytest splits an argument at every "::", inside brackets too.
+        files = " ".join(shlex.quote(f) for f in sorted({t.split("::", 1)[0] for t in [*f2p, *p2p]}))
         command = rec.get("test_command", "python3 -m pytest")
+        folder = f"{lease.sandbox.workspace_inside}/.rolloutd-eval"
+        report = f"{folder}/report.json"
+        await write_file(lease, f"{folder}/{PLUGIN_MODULE}.py", REPORT_PLUGIN.read_bytes())
         # A CommandTimeout goes up: the sample ends as ``eval_timeout``, never a reward of 0.
         r = await lease.run(
-            f"cd {shlex.quote(workdir)} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONDONTWRITEBYTECODE=1 "
-            f"{command} -rA -q -p no:cacheprovider {tests}", timeout_s=timeout_s)
-        outcomes = {m.group(2): m.group(1) for m in _RESULT_LINE.finditer(r.output)}
-        failed_f2p = [t for t in f2p if outcomes.get(t) != "PASSED"]
-        failed_p2p = [t for t in p2p if outcomes.get(t) != "PASSED"]
+            f"rm -f {shlex.quote(report)} && cd {shlex.quote(workdir)} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "
+            f"PYTHONDONTWRITEBYTECODE=1 ROLLOUTD_PYTEST_REPORT={shlex.quote(report)} "
+            f"PYTHONPATH={shlex.quote(folder)}${{PYTHONPATH:+:$PYTHONPATH}} "
+            f"{command} -p {PLUGIN_MODULE} -q -p no:cacheprovider {files}", timeout_s=timeout_s)
+        outcomes = _outcomes(await read_file(lease, report, max_bytes=REPORT_MAX_BYTES), task, r.output)
+        failed_f2p = [t for t in f2p if outcomes.get(_canonical(t)) != "passed"]
+        failed_p2p = [t for t in p2p if outcomes.get(_canonical(t)) != "passed"]
         reward = 1.0 if not failed_f2p and not failed_p2p else 0.0
         return EvalResult(reward, {"failed_fail_to_pass": failed_f2p, "failed_pass_to_pass": failed_p2p,
                                    "test_exit_code": r.exit_code})
+
+
+def _canonical(node_id: str) -> str:
+    """A node id with non-ASCII characters escaped as pytest escapes parameter ids."""
+    return node_id.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def _outcomes(raw: bytes | None, task: Task, output: str) -> dict[str, str]:
+    """Canonical node id -> outcome, from the plugin's report."""
+    if raw is None:
+        raise TaskError(f"task {task.instance_id}: its test command wrote no report (it must be pytest, which "
+                        f"gets -p {PLUGIN_MODULE}); its output ends: {output[-500:]}")
+    try:
+        outcomes = json.loads(raw)["outcomes"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TaskError(f"task {task.instance_id}: the test report is not the plugin's JSON: {e}") from e
+    return {_canonical(str(k)): str(v) for k, v in outcomes.items()}
 
 
 def _build_template(record: dict[str, Any], folder: Path) -> None:
