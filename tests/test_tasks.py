@@ -51,7 +51,7 @@ async def test_template_is_prepared_once_per_task(lease: Lease, short_tmp: Path)
     task = resolve_task("bundled", "wordwrap-001", None)
     swe = get_task_type("swe")
     await swe.setup(task, lease, cache_dir=short_tmp / "cache")
-    template = short_tmp / "cache" / "swe" / "wordwrap-001" / "repo"
+    (template,) = (short_tmp / "cache" / "swe").glob("wordwrap-001-*/repo")
     stamp = template.stat().st_mtime_ns
     await swe.setup(task, lease, cache_dir=short_tmp / "cache")
     assert template.stat().st_mtime_ns == stamp
@@ -186,3 +186,31 @@ async def test_swe_grading_reads_the_report_not_the_summary(lease: Lease, short_
     assert result.reward == reward, result.details
     if reward == 1.0:
         assert result.details["failed_fail_to_pass"] == []
+
+
+async def test_two_records_with_one_id_never_share_a_cached_repository(lease: Lease, short_tmp: Path) -> None:
+    """The template cache is keyed by content: a second record with the same instance id (another
+    dataset, an edited task) gets its own files, not the first one's (issue 27); the same
+    content is prepared once; an edited repo_dir is a new template."""
+    swe = get_task_type("swe")
+    cache = short_tmp / "cache"
+
+    def record(**source: object) -> dict[str, object]:
+        return {"instance_id": "same-id", "problem_statement": "p", "FAIL_TO_PASS": ["tests/test_m.py::test_x"],
+                **source}
+
+    async def seen(rec: dict[str, object]) -> str:
+        task = resolve_task("", "", rec)
+        workdir = await swe.setup(task, lease, cache_dir=cache)
+        return (await lease.run(f"cat {workdir}/m.py")).output.strip()
+
+    assert await seen(record(files={"m.py": "X = 1\n"})) == "X = 1"
+    assert await seen(record(files={"m.py": "X = 2\n"})) == "X = 2"
+    assert await seen(record(files={"m.py": "X = 1\n"})) == "X = 1"
+    repo = short_tmp / "host-repo"
+    repo.mkdir()
+    (repo / "m.py").write_text("X = 3\n")
+    assert await seen(record(repo_dir=str(repo))) == "X = 3"
+    (repo / "m.py").write_text("X = 4\n")
+    assert await seen(record(repo_dir=str(repo))) == "X = 4"
+    assert len(list((cache / "swe").glob("same-id-*/repo"))) == 4

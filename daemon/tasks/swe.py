@@ -22,6 +22,7 @@ is the task's error (its ``test_command`` must be pytest), never a reward of 0.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import shlex
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from ..sandbox.pool import Lease
 
 REPO_FOLDER = "repo"
+IGNORED_PARTS = frozenset({"__pycache__", ".pytest_cache"})
+"""Folders the template copy leaves out (``sandbox_files.IGNORED``), so they do not change its key."""
 REPORT_PLUGIN = Path(__file__).with_name("pytest_report.py")
 PLUGIN_MODULE = "rolloutd_pytest_report"
 """Its module name in the sandbox: one no project has (the test run's folder comes first on sys.path)."""
@@ -50,6 +53,34 @@ class SweTaskType(TaskType):
 
     def __init__(self) -> None:
         self._template_locks: dict[str, asyncio.Lock] = {}
+        self._tree_hashes: dict[tuple[str, tuple[tuple[str, int, int, int], ...]], str] = {}
+        """(repo_dir, its files' path, size, mtime, mode) -> content hash: a folder is read again
+        only when a file in it changed."""
+
+    def _content_key(self, record: dict[str, Any]) -> str:
+        """A hash of what defines the task's repository: its files or repo_dir contents, base
+        commit and set-up fields."""
+        defining = {k: record.get(k) for k in ("files", "base_commit", "setup_script", "workdir")}
+        if "repo_dir" in record:
+            defining["repo_dir"] = self._tree_hash(Path(record["repo_dir"]))
+        blob = json.dumps(defining, sort_keys=True, ensure_ascii=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+    def _tree_hash(self, root: Path) -> str:
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and not IGNORED_PARTS.intersection(p.parts)
+                       and p.suffix != ".pyc")
+        stats = tuple((p.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, st.st_mode)
+                      for p in paths for st in (p.lstat(),))
+        cached = self._tree_hashes.get((str(root), stats))
+        if cached is None:
+            digest = hashlib.sha256()
+            for p, (rel, _, _, mode) in zip(paths, stats):
+                digest.update(f"{rel}\0{mode}\0".encode())
+                digest.update(hashlib.sha256(p.read_bytes()).digest())
+            if len(self._tree_hashes) > 1000:  # folders edited again and again: forget the old versions
+                self._tree_hashes.clear()
+            cached = self._tree_hashes[(str(root), stats)] = digest.hexdigest()
+        return cached
 
     def parse(self, record: dict[str, Any]) -> Task:
         iid = require(record, "instance_id", str)
@@ -76,8 +107,11 @@ class SweTaskType(TaskType):
 
     async def _template(self, task: Task, cache_dir: Path) -> Path:
         """The repository prepared once per task on the host (a git repo with one commit), shared by
-        the task's samples: each sample copies it instead of rebuilding it."""
-        folder = cache_dir / "swe" / task.instance_id / REPO_FOLDER
+        the task's samples: each sample copies it instead of rebuilding it. Its folder is named by
+        a hash of everything the template is made of, not by the instance id alone: two records
+        with one id (another dataset, an edited task file, an inline task) never share one."""
+        key = await asyncio.to_thread(self._content_key, task.record)
+        folder = cache_dir / "swe" / f"{task.instance_id}-{key}" / REPO_FOLDER
         async with self._template_locks.setdefault(str(folder), asyncio.Lock()):
             if not folder.exists():
                 staging = folder.with_name(REPO_FOLDER + ".partial")
