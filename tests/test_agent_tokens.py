@@ -261,3 +261,27 @@ def test_a_turn_whose_logprobs_do_not_match_its_tokens_is_refused(shape: tuple[o
     assert len(ledger.ids) == before and ledger.turns == []
     ledger.add_turn(good)
     assert ledger.outcome(finish_reason="completed").response_logprobs.tolist() == good.logprobs.tolist()
+
+
+def test_a_turns_versions_reach_its_record_and_survive_the_wire() -> None:
+    """What the pool learnt of a turn's weights (sent under, per-token spans, straddled) is on its
+    TurnRecord, and still there after the trajectory crossed the wire."""
+    from rolloutd.client.trajectory import Trajectory
+    from rolloutd.daemon.inference.base import VersionSpan
+
+    ledger = ledger_for()
+    turn = model_turn(ledger, "hello there")
+    n = len(turn.token_ids)
+    turn = dataclasses.replace(turn, weight_version="v2", sent_version="v1", straddled=True,
+                               weight_spans=(VersionSpan("v1", 0, 2), VersionSpan("v2", 2, n)))
+    ledger.add_turn(turn)
+    out = ledger.outcome(finish_reason="completed")
+    (record,) = out.turns
+    assert (record.weight_version, record.sent_version, record.straddled) == ("v2", "v1", True)
+    assert record.weight_spans == [("v1", 0, 2), ("v2", 2, n)]
+    t = Trajectory(request_id="r", sample_index=0, task_id="t", prompt_ids=out.prompt_ids,
+                   response_ids=out.response_ids, response_mask=out.response_mask,
+                   response_logprobs=out.response_logprobs, reward=1.0, finish_reason="completed",
+                   num_turns=1, turns=out.turns)
+    back = Trajectory.from_parts(json.loads(json.dumps(t.scalar_fields())), t.arrays())
+    assert back.turns == t.turns
