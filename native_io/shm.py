@@ -230,7 +230,7 @@ def self_contained(frames: list[Any], *, max_bytes: int | None) -> list[bytes] |
         if ref.segment is not None:
             try:
                 data = _read(ref.segment, ref.offset, ref.nbytes)
-            except FileNotFoundError:
+            except (OSError, BadRequest):  # gone, or cut short: nothing to keep
                 return None
             ref = framing.ArrayRef(ref.key, ref.dtype, ref.shape, None, len(out))
             out.append(data)

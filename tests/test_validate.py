@@ -91,3 +91,13 @@ def test_an_empty_trajectory_of_a_failure_is_sound() -> None:
                    finish_reason="cancelled", num_turns=0, ended_by="client")
     validate_trajectory(t)
     assert TurnRecord(0, 0, "v", "stop").weight_spans == []
+
+
+def test_the_gateways_unstarted_job_is_a_client_outcome() -> None:
+    """A job cancelled before it ran was labelled as ended by the model (trainable, reward 0.0)."""
+    from rolloutd.client.async_client import RolloutRequest
+    from rolloutd.daemon.gateway.mapping import unstarted_trajectory
+
+    t = unstarted_trajectory("job-1", RolloutRequest(task_id="wordwrap-001"))
+    validate_trajectory(t)
+    assert not t.reward_valid

@@ -98,7 +98,7 @@ def unstarted_trajectory(request_id: str, request: RolloutRequest) -> Trajectory
     task_id = request.task_id or str((request.task or {}).get("instance_id", ""))
     arrays = {name: np.zeros(0, dtype=dtype) for name, dtype in Trajectory.ARRAY_DTYPES.items()}
     return Trajectory(request_id=request_id, sample_index=0, task_id=task_id, reward=0.0, finish_reason="cancelled",
-                      num_turns=0, **arrays)
+                      num_turns=0, ended_by="client", **arrays)
 
 
 def timing(trajectory: Trajectory, wall_s: float) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def timing(trajectory: Trajectory, wall_s: float) -> dict[str, Any]:
     counted = sum(stages.values())
     return {"init_time": stages["init"], "run_time": stages["run"], "eval_time": stages["eval"],
             "others_time": max(0.0, wall_s - counted), "counted_elapsed": counted,
-            "timeout_triggered": trajectory.finish_reason == "timeout"}
+            "timeout_triggered": trajectory.finish_reason in ("timeout", "eval_timeout")}
 
 
 def result_json(trajectory: Trajectory, *, job_id: str, instance: dict[str, Any], wall_s: float) -> dict[str, Any]:
