@@ -127,6 +127,8 @@ class AsyncRolloutClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._rollouts: dict[str, asyncio.Future[Reply]] = {}
         self._rollout_deadlines: dict[str, float] = {}
+        self._rollout_askers: dict[str, int] = {}
+        """How many submits of each id still wait for its result (an id submitted twice joins)."""
         self._held_segments: set[str] = set()
         self._segment_maps = shm.SegmentMaps()
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
@@ -252,6 +254,9 @@ class AsyncRolloutClient:
         if self._events is not None:
             self._events.catch_up()  # a disconnect seen before this call is not this call's
         rid = request_id or f"{self._id_prefix}{next(self._ids)}"
+        joined = self._waiters.get(rid)
+        if joined is not None and not joined.done():
+            return rid, joined  # the same id in flight: one request, its one answer for every caller
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport})
@@ -281,6 +286,7 @@ class AsyncRolloutClient:
         for req in requests:
             rid, fut = await self._start("rollout", req.to_args(), req.request_id)
             self._rollouts[rid] = fut
+            self._rollout_askers[rid] = self._rollout_askers.get(rid, 0) + 1
             self._rollout_deadlines[rid] = loop.time() + req.timeout_s + RESULT_MARGIN_S
             ids.append(rid)
         return ids
@@ -307,14 +313,18 @@ class AsyncRolloutClient:
                 raise OperationTimeout(f"{len(pending)} rollouts did not finish within {timeout_s} s (timeout_s); "
                                        "they were cancelled")
             for fut in done:
-                yield self._result(futs[fut], fut)
+                yield self._result(futs[fut], fut, asked=ids.count(futs[fut]))
 
     async def results(self, ids: list[str], *, timeout_s: float | None = None) -> dict[str, RolloutResult]:
         return {r.request_id: r async for r in self.as_completed(ids, timeout_s=timeout_s)}
 
-    def _result(self, rid: str, fut: asyncio.Future[Reply]) -> RolloutResult:
-        self._rollouts.pop(rid, None)
-        self._rollout_deadlines.pop(rid, None)
+    def _result(self, rid: str, fut: asyncio.Future[Reply], asked: int = 1) -> RolloutResult:
+        """``asked``: how many of the submits of ``rid`` this result answers (ids listed twice)."""
+        self._rollout_askers[rid] = self._rollout_askers.get(rid, asked) - asked
+        if self._rollout_askers[rid] <= 0:  # the last submit of this id has its answer
+            self._rollout_askers.pop(rid)
+            self._rollouts.pop(rid, None)
+            self._rollout_deadlines.pop(rid, None)
         self._waiters.pop(rid, None)
         exc = fut.exception()
         if exc is not None:
@@ -322,7 +332,12 @@ class AsyncRolloutClient:
                 raise exc
             return RolloutResult(rid, [], error=exc)
         reply = fut.result()
-        return RolloutResult(rid, unpack_batch(reply.result["trajectories"], reply.arrays), reply=reply)
+        trajectories = unpack_batch(reply.result["trajectories"], reply.arrays)
+        if rid in self._rollout_askers:
+            # Another submit of this id still waits for it: this one gets private copies, so the
+            # last one's release cannot pull the shared memory from under it.
+            return RolloutResult(rid, [t.copy() for t in trajectories])
+        return RolloutResult(rid, trajectories, reply=reply)
 
     async def cancel(self, request_id: str) -> None:
         if self._sock is not None:

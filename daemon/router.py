@@ -96,6 +96,8 @@ class Pending:
     queued_at: float = field(default_factory=time.monotonic)
     broadcast: Broadcast | None = None
     """For ops every node applies: their answers so far."""
+    joined: list[tuple[LoopSocket, bytes]] = field(default_factory=list)
+    """Other askers of the same id while it ran: each gets the one answer too."""
 
 
 class Router(BroadcastOps):
@@ -231,7 +233,8 @@ class Router(BroadcastOps):
         p = self.pending.get(rid)
         if p is not None:
             self.counters["duplicates"] += 1
-            p.client, p.sock = client, sock  # the newest asker gets the one answer
+            if (sock, client) != (p.sock, p.client) and (sock, client) not in p.joined:
+                p.joined.append((sock, client))  # every asker gets the one answer
             return
         cached = self.completed.get(rid)
         if cached is not None:
@@ -512,6 +515,8 @@ class Router(BroadcastOps):
             keep = [type_byte, as_bytes(frames[1])]
         self.completed[p.rid] = (time.monotonic(), keep)
         self._send(p.sock, p.client, frames)
+        for sock, client in p.joined:  # arrays come from nodes as frames: the same frames serve all
+            self._send(sock, client, frames)
         if self.waiting:
             self._flush()
 

@@ -2,7 +2,10 @@
 
 Promises kept here, whatever a worker or client does:
 - every accepted request id gets exactly one final answer (REPLY or ERROR); a repeated id is
-  not run twice: in flight it is joined, finished it gets the same answer again;
+  not run twice: in flight it is joined (every asker gets the answer; the first its shared memory,
+  the others a copy with the arrays inside), finished it gets the same answer again with its
+  arrays copied in (kept for ``completed_ttl_s``, up to CACHE_REPLY_MAX_BYTES), never a reference
+  to a segment that may hold another reply by then; past that, DUPLICATE_REQUEST;
 - a request on a worker that dies is re-dispatched if it had not started, else answered
   WORKER_LOST; sandboxes of a dead worker answer SANDBOX_LOST;
 - shared-memory results are unlinked when released, when their client's process is gone past
@@ -44,6 +47,7 @@ from rolloutd.native_io.errors import (
     BadRequest,
     Cancelled,
     ConfigError,
+    DuplicateRequest,
     PermissionDenied,
     RolloutdError,
     SandboxLost,
@@ -105,6 +109,8 @@ class Pending:
     broadcast: dict[int, Any] | None = None
     """For ops every worker applies: worker index -> its answer header (None until it came)."""
     received_at: float = field(default_factory=time.monotonic)
+    joined: list[tuple[LoopSocket | None, bytes]] = field(default_factory=list)
+    """Other askers of the same id while it ran: each gets the one answer too, as a copy."""
 
 
 @dataclass
@@ -429,19 +435,16 @@ class Supervisor:
 
     def _accept(self, sock: LoopSocket | None, client: bytes, pid: int | None, is_tcp: bool, rid: str,
                       header: dict[str, Any], frames: list[Any]) -> None:
-        if rid in self.pending:
+        p = self.pending.get(rid)
+        if p is not None:
             self.counters["duplicates"] += 1
-            self.pending[rid].client, self.pending[rid].socket = client, sock  # answer the newest asker
+            if (sock, client) != (p.socket, p.client) and (sock, client) not in p.joined:
+                p.joined.append((sock, client))  # every asker gets the one answer
             return
         cached = self.completed.get(rid)
         if cached is not None:
             self.counters["duplicates"] += 1
-            if cached[1] is not None:
-                self._send(sock, client, cached[1])
-            else:
-                self._send(sock, client, framing.encode(MsgType.ERROR, {
-                    "id": rid, "code": "DUPLICATE_REQUEST",
-                    "message": f"request {rid} was already answered and its large result not kept; use a new id"}))
+            self._send(sock, client, cached[1] if cached[1] is not None else _not_kept(rid))
             return
         try:
             if self.stopping:
@@ -604,10 +607,15 @@ class Supervisor:
         is_error = frames[0] == bytes((MsgType.ERROR,)) or (
             hasattr(frames[0], "bytes") and frames[0].bytes == bytes((MsgType.ERROR,)))
         self.counters["errors" if is_error else "replies"] += 1
-        size = sum(_nbytes(f) for f in frames)
-        keep = [bytes(f) if not hasattr(f, "bytes") else f.bytes for f in frames] if size <= CACHE_REPLY_MAX_BYTES else None
+        # Kept with its arrays copied out of shared memory: the segments are reused once released.
+        keep = shm.self_contained(frames, max_bytes=CACHE_REPLY_MAX_BYTES)
         self.completed[p.rid] = (time.monotonic(), keep)
         self._send(p.socket, p.client, frames)
+        if p.joined:
+            # The segments belong to the first asker (its release frees them): the others get copies.
+            copy = keep or shm.self_contained(frames, max_bytes=None) or _not_kept(p.rid)
+            for sock, client in p.joined:
+                self._send(sock, client, copy)
 
     def _send(self, sock: LoopSocket | None, client: bytes, frames: list[Any]) -> None:
         if sock is None:  # the daemon's own housekeeping request
@@ -685,10 +693,11 @@ class _Stopped(Exception):
     pass
 
 
-def _nbytes(frame: Any) -> int:
-    if isinstance(frame, memoryview):
-        return frame.nbytes
-    return len(frame) if isinstance(frame, (bytes, bytearray)) else len(frame.buffer)
+def _not_kept(rid: str) -> list[Any]:
+    return framing.encode(MsgType.ERROR, {
+        "id": rid, "code": DuplicateRequest.code, "details": {},
+        "message": f"request {rid} was already answered and its result (over {CACHE_REPLY_MAX_BYTES} bytes, or "
+                   "its shared memory gone) was not kept; submit it again under a new id"})
 
 
 def _salvage_id(frames: list[Any]) -> str:

@@ -346,6 +346,10 @@ class TokenLedger:
         if self.messages[-1]["role"] == "assistant":
             raise AgentError("two model turns in a row: add the observation of the previous turn first")
         new = result.token_ids.tolist()
+        if np.shape(result.logprobs) != (len(new),):
+            # numpy would broadcast a shorter array over the turn: log-probabilities of other tokens
+            raise AgentError(f"a turn of {len(new)} tokens came with log-probabilities of shape "
+                             f"{np.shape(result.logprobs)} from {result.server or 'the server'}; need one per token")
         if len(new) > self.room:
             raise AgentError(f"a turn of {len(new)} tokens does not fit the {self.room} left under "
                              f"max_context_tokens={self.max_total_tokens}; ask for at most room tokens")
@@ -353,7 +357,9 @@ class TokenLedger:
         self.ids.extend(new)
         self._chunks.append(_Chunk(len(new), 1, result.logprobs))
         self.turns.append(TurnRecord(start=start, end=start + len(new), weight_version=result.weight_version,
-                                     finish_reason=result.finish_reason, server=result.server))
+                                     finish_reason=result.finish_reason, server=result.server,
+                                     sent_version=result.sent_version, straddled=result.straddled,
+                                     weight_spans=[(s.version, s.start, s.end) for s in result.weight_spans]))
         self._closed = bool(new) and new[-1] == self.eot_id
         content = self.codec.decode(new[:-1] if self._closed else new)
         self.messages.append({"role": "assistant", "content": content})

@@ -22,8 +22,9 @@ so an agent can size its turns to what every server accepts.
 
 Weight updates: :meth:`pause_all` pauses every server (vLLM ``/pause?mode=keep``, SGLang
 ``/pause_generation``) and holds new calls in the pool; :meth:`resume_all` resumes them. Every
-result carries a weight version: the server's own where the protocol reports one (SGLang),
-otherwise the version last given to :meth:`set_weight_version`.
+result carries a weight version: the server's own where the protocol reports one (vLLM's
+per-token spans, SGLang's label), otherwise the version set with :meth:`set_weight_version` when
+the call was sent; and ``straddled`` where a version change fell inside the call.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class ServerPool:
         self._max_attempts = max_attempts
         self._health_interval_s = health_interval_s
         self._weight_version = weight_version
+        self._version_epoch = 0
+        """Bumped by every :meth:`set_weight_version`: a call that sees it change straddled one."""
         self._max_sticky = max_sticky
         self._http_options = http_options or {}
         self._servers: dict[str, _Server] = {}
@@ -225,6 +228,7 @@ class ServerPool:
                                        f"{attempt} attempt(s); raise timeout_s")
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
             attempt += 1
+            sent, epoch = self._weight_version, self._version_epoch
             server.calls[rid] = current
             server.in_flight += 1
             server.dispatched += 1
@@ -252,10 +256,9 @@ class ServerPool:
                 server.in_flight -= 1
                 if server.in_flight == 0:
                     server.idle.set()
+            self._label_versions(result, sent, epoch)
             if result.weight_version:
                 server.weight_version = result.weight_version
-            else:
-                result.weight_version = self._weight_version
             server.completed += 1
             server.slow_probes = 0
             return result
@@ -269,6 +272,18 @@ class ServerPool:
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
                                 f"(pool: {self._describe()}); add servers or wait for the health check")
+
+    def _label_versions(self, result: GenerateResult, sent: str, epoch: int) -> None:
+        """The versions a result holds: the server's per-token spans where it reports them, else
+        the version the call was sent under (not the one current when it came back), and whether
+        a version change fell inside the call."""
+        result.sent_version = sent
+        if result.weight_spans:
+            result.straddled = len({s.version for s in result.weight_spans}) > 1
+            return
+        result.straddled = self._version_epoch != epoch
+        if not result.weight_version:
+            result.weight_version = sent
 
     async def _wait_for_server(self, trajectory_id: str, deadline: float) -> _Server | None:
         """A usable server once one comes back, within ``server_wait_s`` and the deadline."""
@@ -326,6 +341,7 @@ class ServerPool:
         (so its per-token versions say it from now on), and for results from servers that report
         none."""
         self._weight_version = str(version)
+        self._version_epoch += 1
         await self._on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
 
     @property

@@ -40,12 +40,12 @@ import functools
 import itertools
 import logging
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rolloutd.client.trajectory import TurnRecord
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
@@ -277,7 +277,7 @@ class History:
             ids.append(o.response_ids)
             mask.append(o.response_mask)
             lps.append(o.response_logprobs)
-            turns += [TurnRecord(t.start + offset, t.end + offset, t.weight_version, t.finish_reason, t.server)
+            turns += [dataclasses.replace(t, start=t.start + offset, end=t.end + offset)
                       for t in o.turns]
             offset += len(o.response_ids)
             ranges.append((start, offset))

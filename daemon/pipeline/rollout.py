@@ -5,8 +5,9 @@ set-up, prepared once per task and copied), runs the agent (run), and is evaluat
 sandbox (eval), which is then released. Gates bound each stage separately, so a sample waiting
 for an eval slot holds no agent slot and never delays another sample's turns. Only time inside
 stages counts against the time-outs. Every sample ends as a trajectory: completed, or with the
-finish reason that stopped it (``timeout``, ``cancelled``, ``error`` with code and message); a
-trajectory stopped by its deadline keeps the tokens produced so far, a cancelled one has none.
+finish reason that stopped it (``timeout``, ``eval_timeout``, ``cancelled``, ``error`` with code and
+message); a trajectory stopped by its deadline keeps the tokens produced so far (for inspection:
+``ended_by`` says no trainer may learn from them), a cancelled one has none.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ class RolloutPipeline:
             self.counters["completed"] += 1
             finish = outcome.finish_reason if outcome is not None else "error"
         stage = clock.events[-1][0] if clock.events else None
+        if finish == "timeout" and stage == "eval":
+            finish = "eval_timeout"  # the tests ran out of time: no score (was 0.0), an outcome of its own
         return _trajectory(request_id, index, task, args, outcome, evaluation, finish, error, clock,
                            lease.kernel_start_s if lease is not None else 0.0, ended_by(finish, error, stage))
 

@@ -67,3 +67,30 @@ async def write_file(lease: "Lease", inside: str, data: bytes) -> None:
                         timeout_s=60)
     if r.exit_code != 0:
         raise SandboxError(f"cannot write {inside} in sandbox {lease.id}: {r.output[-500:]}")
+
+
+async def read_file(lease: "Lease", inside: str, *, max_bytes: int) -> bytes | None:
+    """The bytes of ``inside``, or None when there is no such file; more than ``max_bytes`` is an
+    error (the file may come from code the agent wrote)."""
+    target = host_path(lease, inside)
+    if target is not None:
+        def read() -> bytes | None:
+            try:
+                with open(target, "rb") as f:
+                    data = f.read(max_bytes + 1)
+            except FileNotFoundError:
+                return None
+            return data
+
+        data = await asyncio.to_thread(read)
+    else:
+        quoted = shlex.quote(inside)
+        r = await lease.run(f"test -f {quoted} || exit 3; head -c {max_bytes + 1} {quoted} | base64 -w0", timeout_s=60)
+        if r.exit_code == 3:
+            return None
+        if r.exit_code != 0:
+            raise SandboxError(f"cannot read {inside} in sandbox {lease.id}: {r.output[-500:]}")
+        data = base64.b64decode(r.output.strip())
+    if data is not None and len(data) > max_bytes:
+        raise SandboxError(f"{inside} in sandbox {lease.id} is over {max_bytes} bytes")
+    return data
