@@ -41,7 +41,7 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
         "inference_servers": args.inference_server, "log_level": args.log_level,
         "node_name": args.node_name, "router_public_key_file": args.router_public_key_file,
         "router_slots": args.router_slots, "curve_secret_key_file": args.curve_secret_key_file,
-        "curve_allowed_keys_dir": args.curve_allowed_keys_dir,
+        "curve_allowed_keys_dir": args.curve_allowed_keys_dir, "debug_ops": args.debug_ops or None,
     }
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
@@ -83,7 +83,7 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         p.set_defaults(func=_cmd_node, workers=None, backend=None, image=None, warm=None, router=None,
                        tcp_bind=None, inference_server=None, log_level=None, node_name=None,
                        router_public_key_file=None, router_slots=None, curve_secret_key_file=None,
-                       curve_allowed_keys_dir=None)
+                       curve_allowed_keys_dir=None, debug_ops=False)
         if name == "start":
             p.add_argument("--detach", action="store_true",
                            help="run in the background (new session, output to the log file); return once it answers")
@@ -102,6 +102,8 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
             p.add_argument("--tcp-bind", help="also listen on tcp://HOST:PORT (CURVE keys required)")
             p.add_argument("--inference-server", action="append", help="inference server URL (repeatable)")
             p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+            p.add_argument("--debug-ops", action="store_true",
+                           help="answer debug.* operations (tests, benchmarks); refused otherwise")
             p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
         elif name == "stop":
             p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")

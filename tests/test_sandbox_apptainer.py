@@ -99,7 +99,7 @@ async def test_writable_layer(short_tmp: Path, writable: str) -> None:
 
 async def test_memory_hog_fails_alone(short_tmp: Path) -> None:
     backend = ApptainerBackend(short_tmp)
-    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(max_memory_mb=256))))
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(process_memory_mb=256))))
     try:
         r = await lease.run("python3 -c 'x = bytearray(1 << 30)' 2>&1 | tail -1")
         assert "MemoryError" in r.output

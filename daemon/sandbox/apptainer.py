@@ -50,7 +50,7 @@ class ApptainerSandbox(Sandbox):
     isolated = True
 
     def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, backend: "ApptainerBackend") -> None:
-        super().__init__(sandbox_id, spec, lease_dir, backend.shared_dir)
+        super().__init__(sandbox_id, spec, lease_dir, backend.shared_dir, backend.cgroups)
         self.backend = backend
         self.instance_name = f"rld-{sandbox_id}"
         self.init_pid: int | None = None
@@ -95,9 +95,11 @@ class ApptainerSandbox(Sandbox):
         return argv
 
     async def start(self) -> None:
-        self.prepare_folders()
+        self.prepare_host()
         self.image_path = await resolve_image(self.spec.image)
         argv = self._start_argv(self.image_path)
+        if self.cgroup is not None:  # the instance's init, and what it starts, in the sandbox's cgroup
+            argv = self.cgroup.join_argv(argv)
         if self.background:
             argv = ["nice", "-n", "10", *argv]
         # Output goes to a file, not a pipe: the instance's daemon inherits the start command's
@@ -155,13 +157,27 @@ class ApptainerSandbox(Sandbox):
                     return children[0].pid if children else proc.pid
         return None
 
-    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
+    def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
         # The instance is registered under the daemon's own config dir, which exec must see too.
         cmd = ["env", f"APPTAINER_CONFIGDIR={self.backend.config_dir}", "apptainer", "-q", "exec", "--cleanenv"]
         for k, v in (env or {}).items():
             cmd += ["--env", f"{k}={v}"]
         cmd += ["--pwd", cwd or WORKSPACE_INSIDE, f"instance://{self.instance_name}", *argv]
         return cmd
+
+    def shm_bytes(self) -> int:
+        # The instance's own tmpfs at /dev/shm (host-sized, uncapped), seen through its init.
+        if self.init_pid is None:
+            return 0
+        try:
+            st = os.statvfs(f"/proc/{self.init_pid}/root/dev/shm")
+        except OSError:
+            return 0
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def disk_folders(self) -> list[Path]:
+        overlay = self.lease_dir / "overlay"
+        return [self.workspace, overlay] if self.spec.writable == "overlay" else [self.workspace]
 
     def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
         """Every process in the instance's PID namespace (killing its init ends them all)."""

@@ -1,0 +1,189 @@
+"""Memory caps per sandbox by cgroup: one memory cgroup per sandbox, under one this process may write.
+
+The kernel then holds a sandbox's memory (its processes, and the tmpfs pages they write:
+``/dev/shm``, the writable layer) to its cap: an allocation past it is OOM-killed inside the
+sandbox, never elsewhere, and the watchdog sees the kill in the cgroup's counters and ends the
+sandbox (SANDBOX_LIMIT ``memory_mb``).
+
+Where the parent comes from:
+
+- ``$ROLLOUTD_MEMORY_CGROUP``: a folder handed down. A root node daemon makes one under its own
+  memory cgroup and gives it to the sandbox user its workers run as (:func:`delegate`).
+- Otherwise this process's own memory cgroup, when it may write there (root; a user whose
+  systemd delegated its slice).
+
+Both cgroup v1 (a ``memory`` hierarchy) and v2 (a unified hierarchy whose ``cgroup.controllers``
+lists ``memory``) work the same way through :class:`Flavor`. Where no memory cgroup is writable
+(an ordinary user on most clusters) there is none, and the watchdog falls back to the resident
+memory it reads from /proc (see :mod:`.caps`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CGROUP_ENV = "ROLLOUTD_MEMORY_CGROUP"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REMOVE_WAIT_S = 2.0
+"""How long a stopped sandbox's cgroup may stay busy (its processes exiting) before it is left."""
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """The files of one cgroup version's memory controller."""
+
+    version: int
+    limit_files: tuple[str, ...]
+    events_file: str
+    """Holds the ``oom_kill`` counter."""
+    delegated_files: tuple[str, ...]
+    """Besides the folder, what a delegate must own to make and fill children."""
+
+
+V1 = Flavor(1, ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"), "memory.oom_control", ("cgroup.procs", "tasks"))
+V2 = Flavor(2, ("memory.max", "memory.swap.max"), "memory.events", ("cgroup.procs", "cgroup.subtree_control"))
+
+
+@dataclass(frozen=True)
+class SandboxCgroup:
+    """One sandbox's memory cgroup."""
+
+    path: Path
+    flavor: Flavor
+    limit_mb: int
+
+    def join_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this cgroup (what it starts stays there)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for going over the cap (0 when unreadable)."""
+        try:
+            text = (self.path / self.flavor.events_file).read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        """Remove the folder once its processes are gone (they are being killed)."""
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    log.warning("memory cgroup %s not removed (%s); a daemon start removes it", self.path, e)
+                    return
+                time.sleep(0.02)
+
+
+class MemoryCgroups:
+    """Makes a memory cgroup per sandbox under ``parent``."""
+
+    def __init__(self, parent: Path, flavor: Flavor) -> None:
+        self.parent = parent
+        self.flavor = flavor
+
+    @classmethod
+    def discover(cls) -> MemoryCgroups | None:
+        """From ``$ROLLOUTD_MEMORY_CGROUP``, else this process's own memory cgroup; None when
+        neither is writable."""
+        handed = os.environ.get(CGROUP_ENV)
+        for path in ([Path(handed)] if handed else own_memory_cgroups()):
+            flavor = flavor_of(path)
+            if flavor is not None and os.access(path, os.W_OK) and _enable_memory(path, flavor):
+                return cls(path, flavor)
+        return None
+
+    def create(self, name: str, limit_mb: int) -> SandboxCgroup:
+        path = self.parent / name
+        path.mkdir(exist_ok=True)
+        limit = str(limit_mb * 2**20)
+        for file in self.flavor.limit_files:  # memory, then memory with swap: no swapping past it
+            with contextlib.suppress(FileNotFoundError):  # no swap accounting on this kernel
+                (path / file).write_text(limit)
+        return SandboxCgroup(path, self.flavor, limit_mb)
+
+    def describe(self) -> str:
+        return f"cgroup v{self.flavor.version} {self.parent}"
+
+
+def flavor_of(path: Path) -> Flavor | None:
+    if (path / "memory.limit_in_bytes").exists():
+        return V1
+    with contextlib.suppress(OSError):
+        if "memory" in (path / "cgroup.controllers").read_text().split():
+            return V2
+    return None
+
+
+def own_memory_cgroups() -> list[Path]:
+    """This process's memory cgroup folders: the v2 one (when its hierarchy has the memory
+    controller), then the v1 one."""
+    found: list[Path] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            for mount in (CGROUP_ROOT, CGROUP_ROOT / "unified"):
+                if (mount / "cgroup.controllers").exists():
+                    found.insert(0, mount / rel.lstrip("/"))
+        elif "memory" in controllers.split(","):
+            found.append(CGROUP_ROOT / "memory" / rel.lstrip("/"))
+    return found
+
+
+def _enable_memory(path: Path, flavor: Flavor) -> bool:
+    """v2 gives children a controller only when the parent lists it in ``subtree_control``."""
+    if flavor is V1:
+        return True
+    try:
+        if "memory" not in (path / "cgroup.subtree_control").read_text().split():
+            (path / "cgroup.subtree_control").write_text("+memory")
+        return True
+    except OSError:
+        return False
+
+
+def delegate(name: str, uid: int, gid: int) -> Path | None:
+    """A folder under this (root) process's own memory cgroup that ``uid`` may fill with sandbox
+    cgroups, for :data:`CGROUP_ENV`; None when there is no writable memory cgroup."""
+    own = MemoryCgroups.discover()
+    if own is None:
+        return None
+    path = own.parent / name
+    remove_tree(path)  # a killed daemon's leftovers
+    path.mkdir(exist_ok=True)
+    os.chown(path, uid, gid)
+    for file in own.flavor.delegated_files:
+        with contextlib.suppress(FileNotFoundError):
+            os.chown(path / file, uid, gid)
+    return path
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a cgroup folder and its children, deepest first (best effort: busy ones stay)."""
+    if not path.is_dir():
+        return
+    for child in path.iterdir():
+        if child.is_dir():
+            remove_tree(child)
+    with contextlib.suppress(OSError):
+        path.rmdir()
