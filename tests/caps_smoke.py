@@ -16,7 +16,8 @@ from pathlib import Path
 
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, WarmPool
-from rolloutd.daemon.sandbox.select import make_backend
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
+from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.native_io.errors import SandboxLimit
 
 MEMORY_MB = 128
@@ -42,7 +43,8 @@ async def ended_by(lease: Lease, command: str) -> dict[str, object]:
 
 async def main(backend_name: str) -> dict[str, object]:
     state = Path(tempfile.mkdtemp(prefix="rld-caps-"))
-    backend = make_backend(backend_name, state)
+    backend = (ApptainerBackend(state, uncontained_root_ok=True) if backend_name == "apptainer"
+               else LocalBackend(state))
     spec = SandboxSpec(ipython=False, limits=SandboxLimits(memory_mb=MEMORY_MB, workspace_mb=WORKSPACE_MB))
     pool = WarmPool(backend, warm_specs={}, watchdog_interval_s=0.2, disk_check_interval_s=0.2)
     await pool.start()

@@ -3,9 +3,9 @@
 - Rootless: started by an ordinary user, an instance lives in a user namespace that user owns,
   with no capability on the host. As root no flag gives that (under ``--userns`` container root
   is still host root), so the node daemon never starts sandboxes as root: its workers run as
-  ``sandbox_user`` (:mod:`rolloutd.daemon.sandbox_user`). Used directly as root (tests, a
-  library caller), this backend adds ``--userns``, which the default mode needs on machines that
-  withhold a capability, and warns that its sandboxes are not contained.
+  ``sandbox_user`` (:mod:`rolloutd.daemon.sandbox_user`). Used directly as root, this backend
+  refuses to start unless told ``uncontained_root_ok`` (the tests); it then adds ``--userns``,
+  which the default mode needs on machines that withhold a capability.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
   ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from rolloutd.native_io.errors import SandboxStartError
+from rolloutd.native_io.errors import ConfigError, SandboxStartError
 from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
@@ -210,16 +210,23 @@ class ApptainerBackend(SandboxBackend):
     name = "apptainer"
     census_kind = "pidns"  # each instance has a PID namespace of its own
 
-    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0, uncontained_root_ok: bool = False) -> None:
+        """``uncontained_root_ok``: as root, start sandboxes anyway, whose root is host root (for
+        trusted code only, such as the tests); refused otherwise."""
         if not apptainer_available():
             raise SandboxStartError(
                 "the apptainer backend needs the `apptainer` command (>= 1.1); install it "
                 "(scripts/install-apptainer on Debian) or use backend 'local'"
             )
-        super().__init__(state_dir)
         if os.getuid() == 0:
-            log.warning("apptainer sandboxes started by root hold host root's privileges; the node daemon runs "
-                        "them as its sandbox_user instead (rolloutd node start)")
+            if not uncontained_root_ok:
+                raise ConfigError(
+                    "apptainer sandboxes started by root are not contained (container root is host root, even "
+                    "with --userns): use this backend as an ordinary user, or the node daemon (`rolloutd node "
+                    "start`, which runs its sandboxes as the unprivileged sandbox_user); for trusted code only, "
+                    "ApptainerBackend(..., uncontained_root_ok=True)")
+            log.warning("apptainer sandboxes started by root hold host root's privileges (uncontained_root_ok)")
+        super().__init__(state_dir)
         self.start_timeout_s = start_timeout_s
         self.config_dir = state_dir / "apptainer"
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
