@@ -1,8 +1,8 @@
 """Run by tests/test_sandbox_caps.py, as root or as an ordinary user: sandboxes going over their caps.
 
-``python caps_smoke.py BACKEND`` leases four sandboxes of one warm pool: one allocates past its
-memory cap, one writes past its workspace cap, one writes one file larger than that cap, and a
-bystander. Prints one JSON object with what it saw; the test makes the assertions.
+``python caps_smoke.py BACKEND`` leases sandboxes of one warm pool: one allocates past its memory
+cap, one writes past its workspace cap, one writes one file larger than that cap, one (apptainer:
+a /dev/shm of its own) fills /dev/shm past its memory cap, and a bystander. Prints one JSON object with what it saw; the test makes the assertions.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ WAIT_S = 60.0
 
 ALLOCATE = f"python3 -c \"x = b'x' * ({4 * MEMORY_MB} << 20); import time; time.sleep({WAIT_S})\"; sleep {WAIT_S}"
 FILL = f"for i in $(seq 16); do head -c 8M /dev/zero > f$i || break; done; sleep {WAIT_S}"
+FILL_SHM = f"for i in $(seq 8); do head -c {WORKSPACE_MB - 2}M /dev/zero > /dev/shm/f$i; done; sleep {WAIT_S}"
+"""Files under RLIMIT_FSIZE (``workspace_mb``), past the memory cap together."""
 ONE_BIG_FILE = f"head -c {2 * WORKSPACE_MB}M /dev/zero > big; echo \"exit $?\"; stat -c %s big"
 
 
@@ -35,7 +37,8 @@ async def ended_by(lease: Lease, command: str) -> dict[str, object]:
     started = time.monotonic()
     try:
         result = await lease.run(command, timeout_s=WAIT_S + 30)
-        return {"error": None, "output": result.output}
+        return {"error": None, "output": result.output, "exit_code": result.exit_code,
+                "seconds": round(time.monotonic() - started, 2)}
     except SandboxLimit as e:
         return {"error": "SANDBOX_LIMIT", "cap": lease.lost_limit, "message": str(e),
                 "seconds": round(time.monotonic() - started, 2)}
@@ -57,8 +60,10 @@ async def main(backend_name: str) -> dict[str, object]:
             "workspace": await ended_by(disk, FILL),
             "one_big_file": (await big.run(ONE_BIG_FILE)).output.split(),
             "bystander": (await bystander.run("echo unaffected")).output,
-            "watchdog_kills": pool.counters["watchdog_kills"],
         }
+        if backend_name == "apptainer":
+            seen["shm"] = await ended_by(await pool.lease(spec), FILL_SHM)
+        seen["watchdog_kills"] = pool.counters["watchdog_kills"]
     finally:
         await pool.close()
     seen["cgroup_left"] = cgroup is not None and cgroup.path.exists()

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISK_CHECK_INTERVAL_S = 5.0
+OOM_NOTICE_S = 5.0
+"""How long a call whose shell the OOM killer ended waits for the watchdog to name the cap."""
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Lease:
     lost_reason: str | None = None
     lost_limit: str | None = None
     """The cap (e.g. ``max_processes``) a sandbox lost to the watchdog went over."""
+    marked_lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set with ``lost_reason``."""
     sandbox_stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     """Set once the sandbox is stopped: nothing it ran is alive. ``lost_reason`` comes first (new
     commands are refused at once); the stop of a lost lease follows in the background."""
@@ -114,6 +118,12 @@ class Lease:
         try:
             result = await call
         except SessionError:
+            cgroup = self.sandbox.cgroup
+            if not self.lost_reason and cgroup is not None and cgroup.oom_kills():
+                # Over its memory cap, the OOM killer may pick the shell itself (its processes are
+                # the first choice): the watchdog names the cap within a round; wait for that.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.marked_lost.wait(), OOM_NOTICE_S)
             self._check()
             raise
         self._check()
@@ -366,7 +376,8 @@ class WarmPool:
         next_disk_check = time.monotonic() + self.disk_check_interval_s
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
+            leases = [l for l in (*self._leased.values(), *(l for q in self._ready.values() for l in q))
+                      if not l.lost_reason]
             if not leases:
                 continue
             census = self._fresh_census()
@@ -380,10 +391,11 @@ class WarmPool:
                                                check_disk=check_disk)
             for lease in leases:
                 breach = breaches.get(lease.id)
-                if breach is None or lease.lost_reason:
+                if breach is None:
                     continue
                 lease.lost_limit = breach.cap
                 lease.lost_reason = f"{breach.reason}, and was destroyed"
+                lease.marked_lost.set()
                 log.warning("sandbox %s: %s", lease.id, lease.lost_reason)
                 self.counters["watchdog_kills"] += 1
                 for queue in self._ready.values():
