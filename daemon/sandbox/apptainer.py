@@ -24,7 +24,6 @@ import shutil
 import signal
 import socket
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -185,8 +184,8 @@ class ApptainerSandbox(Sandbox):
             return []
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.pidns == self._pidns]
 
-    def process_count(self, census: Counter[int]) -> int:
-        return census[self._pidns] if self._pidns is not None else 0
+    def census_keys(self) -> set[int]:
+        return {self._pidns} if self._pidns is not None else set()
 
     async def stop(self) -> None:
         init = self._init

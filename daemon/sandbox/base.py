@@ -212,9 +212,13 @@ class Sandbox(abc.ABC):
         its session unless it calls setsid, so sessions find fork bombs without cgroups."""
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.session in self.session_ids]
 
+    def census_keys(self) -> set[int]:
+        """What its processes are counted by in its backend's :meth:`SandboxBackend.census`."""
+        return self.session_ids
+
     def process_count(self, census: Counter[int]) -> int:
         """Processes of this sandbox in its backend's :meth:`SandboxBackend.census`."""
-        return sum(census[s] for s in self.session_ids)
+        return sum(census[k] for k in self.census_keys())
 
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.

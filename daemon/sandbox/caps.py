@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rolloutd.native_io.procfs import ProcInfo, live_processes, rss_bytes
+from rolloutd.native_io.procfs import rss_census
 
 from .base import Sandbox
 
@@ -35,10 +34,13 @@ class Breach:
     reason: str
 
 
-def find_breaches(sandboxes: Iterable[Sandbox], census: Counter[int], *, check_disk: bool) -> dict[str, Breach]:
-    """The sandboxes over a cap, by id (one census and at most one /proc scan for them all)."""
+def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: str, *,
+                  check_disk: bool) -> dict[str, Breach]:
+    """The sandboxes over a cap, by id (one census, and one /proc pass for the memory of those with
+    no cgroup, for them all). ``census_kind``: what ``census`` counts by (``procfs.CENSUSES``)."""
     found: dict[str, Breach] = {}
-    procs: list[ProcInfo] | None = None
+    uncapped = [sb for sb in sandboxes if sb.cgroup is None and sb.spec.limits.memory_mb is not None]
+    rss = rss_census(census_kind, set().union(*(sb.census_keys() for sb in uncapped))) if uncapped else Counter()
     for sb in sandboxes:
         lim = sb.spec.limits
         count = sb.process_count(census)
@@ -53,9 +55,7 @@ def find_breaches(sandboxes: Iterable[Sandbox], census: Counter[int], *, check_d
                                                        f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
                     continue
             else:
-                if procs is None:
-                    procs = live_processes()
-                used = rss_bytes(sb.process_ids(procs)) + sb.shm_bytes()
+                used = sum(rss[k] for k in sb.census_keys()) + sb.shm_bytes()
                 if used > lim.memory_mb * MiB:
                     found[sb.id] = Breach("memory_mb", f"its processes and /dev/shm held {used // MiB} MiB, over "
                                                        f"its memory cap of {lim.memory_mb} MiB (memory_mb)")

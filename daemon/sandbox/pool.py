@@ -388,7 +388,7 @@ class WarmPool:
             if check_disk:
                 next_disk_check = time.monotonic() + self.disk_check_interval_s
             breaches = await asyncio.to_thread(find_breaches, [l.sandbox for l in leases], census,
-                                               check_disk=check_disk)
+                                               self.backend.census_kind, check_disk=check_disk)
             for lease in leases:
                 breach = breaches.get(lease.id)
                 if breach is None:
