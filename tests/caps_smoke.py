@@ -61,8 +61,11 @@ async def main(backend_name: str) -> dict[str, object]:
             "one_big_file": (await big.run(ONE_BIG_FILE)).output.split(),
             "bystander": (await bystander.run("echo unaffected")).output,
         }
+        leases = {"memory": memory, "workspace": disk, "one_big_file": big, "bystander": bystander}
         if backend_name == "apptainer":
-            seen["shm"] = await ended_by(await pool.lease(spec), FILL_SHM)
+            leases["shm"] = await pool.lease(spec)
+            seen["shm"] = await ended_by(leases["shm"], FILL_SHM)
+        seen["caps_passed"] = {name: lease.lost_limit for name, lease in leases.items()}
         seen["watchdog_kills"] = pool.counters["watchdog_kills"]
     finally:
         await pool.close()

@@ -13,9 +13,12 @@ Where the parent comes from:
   systemd delegated its slice).
 
 Both cgroup v1 (a ``memory`` hierarchy) and v2 (a unified hierarchy whose ``cgroup.controllers``
-lists ``memory``) work the same way through :class:`Flavor`. Where no memory cgroup is writable
-(an ordinary user on most clusters) there is none, and the watchdog falls back to the resident
-memory it reads from /proc (see :mod:`.caps`).
+lists ``memory``) work the same way through :class:`Flavor`; a parent is used only once a real
+process was moved into a cgroup made there (:meth:`MemoryCgroups.can_join`). Where none passes (an
+ordinary user on most clusters; v2 under a root daemon, whose workers live outside the folder it
+hands them) there is none, and the watchdog falls back to the resident memory it reads from /proc
+(see :mod:`.caps`). Only v1 is exercised by the tests (the machine they were written on has no
+memory controller on v2).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +110,28 @@ class MemoryCgroups:
         for path in ([Path(handed)] if handed else own_memory_cgroups()):
             flavor = flavor_of(path)
             if flavor is not None and os.access(path, os.W_OK) and _enable_memory(path, flavor):
-                return cls(path, flavor)
+                found = cls(path, flavor)
+                if found.can_join():
+                    return found
         return None
+
+    def can_join(self) -> bool:
+        """Whether a child of this process may move into a cgroup made here: cgroup v2 also wants
+        write access to the common ancestor, which a folder handed down without the workers in it
+        does not give. Probed once, with a real process, rather than inferred."""
+        probe = self.create(f"probe-{os.getpid()}", 64)
+        try:
+            done = subprocess.run(probe.join_argv(["true"]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("no memory cgroups under %s (%s): the watchdog reads /proc instead", self.parent, e)
+            return False
+        finally:
+            probe.remove()
+        if done.returncode != 0:
+            log.warning("no memory cgroups under %s (cannot move a process there: %s): the watchdog reads /proc "
+                        "instead", self.parent, done.stderr.decode(errors="replace").strip()[-300:])
+        return done.returncode == 0
 
     def create(self, name: str, limit_mb: int) -> SandboxCgroup:
         path = self.parent / name

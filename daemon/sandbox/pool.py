@@ -429,5 +429,6 @@ class WarmPool:
             "ready": sum(len(q) for q in self._ready.values()),
             "starting": sum(self._starting.values()),
             "leased": len(self._leased),
+            "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
             **self.counters,
         }
