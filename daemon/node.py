@@ -19,6 +19,7 @@ from .config import NodeConfig
 from .lifecycle import DaemonProcess
 from .reaper import reap_state_dir
 from .run_lock import running_pid
+from .sandbox import cgroups
 from .sandbox_user import workers_dir
 from .supervisor import Supervisor
 
@@ -64,6 +65,7 @@ def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
         for state in workers.iterdir():
             reap_state_dir(state)
         shutil.rmtree(workers, ignore_errors=True)
+    cgroups.remove_delegated(config.run_path / cgroups.RECORD_FILE)
     if pid is not None:
         for name in shm.list_segments(f"rld{os.getuid()}-{pid}-"):
             shm.unlink(name)

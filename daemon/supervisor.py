@@ -171,7 +171,7 @@ class Supervisor:
             prepare_workers_dir(self.config, self.sandbox_user)
             if self.sandbox_user is not None:  # the workers cannot make memory cgroups: hand them a folder
                 self.memory_cgroup = cgroups.delegate(f"rolloutd-{self.workers_dir.name}", self.sandbox_user.uid,
-                                                      self.sandbox_user.gid)
+                                                      self.sandbox_user.gid, self.run_dir / cgroups.RECORD_FILE)
             await self._check_workers_can_start()
             await self.engines.start()
             async with asyncio.TaskGroup() as tg:
@@ -243,8 +243,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             self.config.socket_path.unlink()
         shutil.rmtree(self.workers_dir, ignore_errors=True)
-        if self.memory_cgroup is not None:
-            cgroups.remove_tree(self.memory_cgroup)
+        cgroups.remove_delegated(self.run_dir / cgroups.RECORD_FILE)
 
     # --- workers ---------------------------------------------------------------------------
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from caps_smoke import MEMORY_MB, WORKSPACE_MB
 from daemon_fixtures import node_daemon
 from os_users import TEST_USER, ensure_test_user
 from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.run_lock import running_pid
 from rolloutd.native_io.errors import SandboxLimit
 
 SCRIPT = Path(__file__).with_name("caps_smoke.py")
@@ -88,3 +91,21 @@ def test_caps_hold_for_the_sandboxes_of_a_root_daemon(short_tmp: Path) -> None:
                         filler.run("for i in $(seq 16); do head -c 8M /dev/zero > f$i || break; done; sleep 60",
                                    timeout_s=90)
                 assert bystander.run("echo unaffected").output == "unaffected\n"
+
+
+@pytest.mark.apptainer
+def test_a_root_daemons_memory_cgroups_are_removed_even_after_a_kill(short_tmp: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("only a root daemon makes a memory cgroup for its workers")
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address) as client:
+            deadline = time.monotonic() + 60  # named: until the warm sandbox is up, in its own cgroup
+            while client.status()["sandboxes"]["ready"] < 1:
+                assert time.monotonic() < deadline, "the warm sandbox did not start within 60 s"
+                time.sleep(0.1)
+            (worker,) = client.status()["workers"]
+            folder = Path(worker["pool"]["memory_caps"].split(" ", 2)[2])
+            assert [p.name[:3] for p in folder.iterdir() if p.is_dir()] == ["sb-"]
+        os.kill(running_pid(short_tmp, "node"), signal.SIGKILL)
+    # node_daemon's exit ran `node stop`, which cleans up after a dead daemon
+    assert not folder.exists() and not (short_tmp / "memory-cgroup").exists()

@@ -34,6 +34,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ENV = "ROLLOUTD_MEMORY_CGROUP"
+RECORD_FILE = "memory-cgroup"
+"""In a root daemon's run folder: the path of the memory cgroup it delegated."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REMOVE_WAIT_S = 2.0
 """How long a stopped sandbox's cgroup may stay busy (its processes exiting) before it is left."""
@@ -81,18 +83,7 @@ class SandboxCgroup:
 
     def remove(self) -> None:
         """Remove the folder once its processes are gone (they are being killed)."""
-        deadline = time.monotonic() + REMOVE_WAIT_S
-        while True:
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    log.warning("memory cgroup %s not removed (%s); a daemon start removes it", self.path, e)
-                    return
-                time.sleep(0.02)
+        _rmdir_when_empty(self.path)
 
 
 class MemoryCgroups:
@@ -186,28 +177,60 @@ def _enable_memory(path: Path, flavor: Flavor) -> bool:
         return False
 
 
-def delegate(name: str, uid: int, gid: int) -> Path | None:
+def delegate(name: str, uid: int, gid: int, record: Path) -> Path | None:
     """A folder under this (root) process's own memory cgroup that ``uid`` may fill with sandbox
-    cgroups, for :data:`CGROUP_ENV`; None when there is no writable memory cgroup."""
+    cgroups, for :data:`CGROUP_ENV`; None when there is no writable memory cgroup. Its path is
+    written to ``record`` (in the run folder), so that whoever cleans up after the daemon, even a
+    ``node stop`` after a kill -9 from another cgroup, finds it (:func:`remove_delegated`)."""
+    remove_delegated(record)  # a killed daemon's leftovers
     own = MemoryCgroups.discover()
     if own is None:
         return None
     path = own.parent / name
-    remove_tree(path)  # a killed daemon's leftovers
+    remove_tree(path)
     path.mkdir(exist_ok=True)
     os.chown(path, uid, gid)
     for file in own.flavor.delegated_files:
         with contextlib.suppress(FileNotFoundError):
             os.chown(path / file, uid, gid)
+    record.write_text(str(path))
     return path
 
 
+def remove_delegated(record: Path) -> None:
+    """Remove the folder :func:`delegate` recorded in ``record``, and the record."""
+    try:
+        path = Path(record.read_text().strip())
+    except FileNotFoundError:
+        return
+    if path.is_relative_to(CGROUP_ROOT):  # never rmdir outside cgroupfs, whatever the file says
+        remove_tree(path)
+    record.unlink(missing_ok=True)
+
+
 def remove_tree(path: Path) -> None:
-    """Remove a cgroup folder and its children, deepest first (best effort: busy ones stay)."""
+    """Remove a cgroup folder and its children, deepest first, each once its processes are gone."""
     if not path.is_dir():
         return
     for child in path.iterdir():
         if child.is_dir():
             remove_tree(child)
-    with contextlib.suppress(OSError):
-        path.rmdir()
+    _rmdir_when_empty(path)
+
+
+def _rmdir_when_empty(path: Path) -> None:
+    """rmdir ``path``, which fails while processes are in it: those of a stopped sandbox may take a
+    moment to exit. Left there (and said) after :data:`REMOVE_WAIT_S`."""
+    deadline = time.monotonic() + REMOVE_WAIT_S
+    while True:
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                log.warning("memory cgroup %s not removed (%s); the next start on this run folder removes it",
+                            path, e)
+                return
+            time.sleep(0.02)
