@@ -170,8 +170,8 @@ class Supervisor:
         try:
             prepare_workers_dir(self.config, self.sandbox_user)
             if self.sandbox_user is not None:  # the workers cannot make memory cgroups: hand them a folder
-                self.memory_cgroup = cgroups.delegate(f"rolloutd-{self.workers_dir.name}", self.sandbox_user.uid,
-                                                      self.sandbox_user.gid, self.run_dir / cgroups.RECORD_FILE)
+                self.memory_cgroup = cgroups.delegate(self.workers_dir.name, self.sandbox_user.uid, self.sandbox_user.gid,
+                                                      self.run_dir / cgroups.RECORD_FILE)
             await self._check_workers_can_start()
             await self.engines.start()
             async with asyncio.TaskGroup() as tg:

@@ -2,7 +2,8 @@
 
 ``python caps_smoke.py BACKEND`` leases sandboxes of one warm pool: one allocates past its memory
 cap, one writes past its workspace cap, one writes one file larger than that cap, one (apptainer:
-a /dev/shm of its own) fills /dev/shm past its memory cap, and a bystander. Prints one JSON object with what it saw; the test makes the assertions.
+a /dev/shm of its own) fills /dev/shm past its memory cap, and a bystander. Prints one JSON
+object with what it saw; the test makes the assertions.
 """
 
 from __future__ import annotations

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from caps_smoke import MEMORY_MB, WORKSPACE_MB
 from daemon_fixtures import node_daemon
 from os_users import TEST_USER, ensure_test_user
 from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.config import NodeConfig
 from rolloutd.daemon.run_lock import running_pid
+from rolloutd.daemon.sandbox_user import workers_dir
 from rolloutd.native_io.errors import SandboxLimit
 
 SCRIPT = Path(__file__).with_name("caps_smoke.py")
@@ -105,7 +109,13 @@ def test_a_root_daemons_memory_cgroups_are_removed_even_after_a_kill(short_tmp: 
                 time.sleep(0.1)
             (worker,) = client.status()["workers"]
             folder = Path(worker["pool"]["memory_caps"].split(" ", 2)[2])
-            assert [p.name[:3] for p in folder.iterdir() if p.is_dir()] == ["sb-"]
-        os.kill(running_pid(short_tmp, "node"), signal.SIGKILL)
+            (sandbox,) = [p for p in folder.iterdir() if p.is_dir()]
+            assert sandbox.name.startswith("sb-")
+            members = [psutil.Process(int(pid)) for pid in (sandbox / "cgroup.procs").read_text().split()]
+        for pid in (worker["pid"], running_pid(short_tmp, "node")):  # nobody left to stop the sandbox
+            os.kill(pid, signal.SIGKILL)
+        # Without its state folder no other record names the warm sandbox: its cgroup still does.
+        shutil.rmtree(workers_dir(NodeConfig(run_dir=str(short_tmp))))
     # node_daemon's exit ran `node stop`, which cleans up after a dead daemon
     assert not folder.exists() and not (short_tmp / "memory-cgroup").exists()
+    assert members and not [p.pid for p in members if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

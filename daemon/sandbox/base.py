@@ -26,7 +26,7 @@ from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.procfs import CENSUSES, ProcInfo, live_processes
 from rolloutd.native_io.spawn import DEVNULL, spawn
 
-from .cgroups import MemoryCgroups, SandboxCgroup
+from .cgroups import SANDBOX_PREFIX, MemoryCgroups, SandboxCgroup
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Sandbox(abc.ABC):
         for d in (self.lease_dir, self.run_dir, self.workspace):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self._cgroups is not None and self.spec.limits.memory_mb is not None:
-            self.cgroup = self._cgroups.create(f"sb-{self.id}", self.spec.limits.memory_mb)
+            self.cgroup = self._cgroups.create(f"{SANDBOX_PREFIX}{self.id}", self.spec.limits.memory_mb)
 
     async def remove_cgroup(self) -> None:
         """Remove the memory cgroup, once nothing runs in it: after the sandbox is stopped and its

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ENV = "ROLLOUTD_MEMORY_CGROUP"
+SANDBOX_PREFIX = "sb-"
+"""Names of the sandboxes' cgroups: only in these are processes killed (see _rmdir_when_empty)."""
+DELEGATED_PREFIX = "rolloutd-"
 RECORD_FILE = "memory-cgroup"
 """In a root daemon's run folder: the path of the memory cgroup it delegated."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -110,7 +114,7 @@ class MemoryCgroups:
         """Whether a child of this process may move into a cgroup made here: cgroup v2 also wants
         write access to the common ancestor, which a folder handed down without the workers in it
         does not give. Probed once, with a real process, rather than inferred."""
-        probe = self.create(f"probe-{os.getpid()}", 64)
+        probe = self.create(f"{SANDBOX_PREFIX}probe-{os.getpid()}", 64)
         try:
             done = subprocess.run(probe.join_argv(["true"]), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, timeout=10)
@@ -177,16 +181,16 @@ def _enable_memory(path: Path, flavor: Flavor) -> bool:
         return False
 
 
-def delegate(name: str, uid: int, gid: int, record: Path) -> Path | None:
-    """A folder under this (root) process's own memory cgroup that ``uid`` may fill with sandbox
-    cgroups, for :data:`CGROUP_ENV`; None when there is no writable memory cgroup. Its path is
+def delegate(key: str, uid: int, gid: int, record: Path) -> Path | None:
+    """A folder (``rolloutd-<key>``) under this (root) process's own memory cgroup that ``uid`` may
+    fill with sandbox cgroups, for :data:`CGROUP_ENV`; None when there is no writable memory cgroup. Its path is
     written to ``record`` (in the run folder), so that whoever cleans up after the daemon, even a
     ``node stop`` after a kill -9 from another cgroup, finds it (:func:`remove_delegated`)."""
     remove_delegated(record)  # a killed daemon's leftovers
     own = MemoryCgroups.discover()
     if own is None:
         return None
-    path = own.parent / name
+    path = own.parent / f"{DELEGATED_PREFIX}{key}"
     remove_tree(path)
     path.mkdir(exist_ok=True)
     os.chown(path, uid, gid)
@@ -203,7 +207,7 @@ def remove_delegated(record: Path) -> None:
         path = Path(record.read_text().strip())
     except FileNotFoundError:
         return
-    if path.is_relative_to(CGROUP_ROOT):  # never rmdir outside cgroupfs, whatever the file says
+    if path.is_relative_to(CGROUP_ROOT) and path.name.startswith(DELEGATED_PREFIX):  # whatever the file says
         remove_tree(path)
     record.unlink(missing_ok=True)
 
@@ -219,18 +223,37 @@ def remove_tree(path: Path) -> None:
 
 
 def _rmdir_when_empty(path: Path) -> None:
-    """rmdir ``path``, which fails while processes are in it: those of a stopped sandbox may take a
-    moment to exit. Left there (and said) after :data:`REMOVE_WAIT_S`."""
+    """rmdir ``path``, which fails while processes are in it. Every process in a sandbox's cgroup
+    is the sandbox's (its workers and the daemon live elsewhere), so what is still there once the
+    sandbox was stopped is killed: stragglers exiting, and orphans no other record names (an
+    instance whose start finished after its worker was gone). Left there (and said) after
+    :data:`REMOVE_WAIT_S`."""
     deadline = time.monotonic() + REMOVE_WAIT_S
+    killed: set[int] = set()
     while True:
         try:
             path.rmdir()
-            return
+            break
         except FileNotFoundError:
-            return
+            break
         except OSError as e:
             if time.monotonic() > deadline:
                 log.warning("memory cgroup %s not removed (%s); the next start on this run folder removes it",
                             path, e)
-                return
+                break
+            if path.name.startswith(SANDBOX_PREFIX):  # never elsewhere, whatever a record says
+                killed |= _kill_members(path)
             time.sleep(0.02)
+    if killed:
+        log.warning("killed %d processes left in memory cgroup %s", len(killed), path)
+
+
+def _kill_members(path: Path) -> set[int]:
+    try:
+        pids = {int(line) for line in (path / "cgroup.procs").read_text().split()}
+    except (OSError, ValueError):
+        return set()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
