@@ -18,6 +18,7 @@ from . import lifecycle
 from .config import NodeConfig
 from .lifecycle import DaemonProcess, daemon_pid
 from .reaper import reap_state_dir
+from .sandbox import cgroups
 from .sandbox_user import workers_dir
 from .supervisor import Supervisor
 
@@ -63,6 +64,7 @@ def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
         for state in workers.iterdir():
             reap_state_dir(state)
         shutil.rmtree(workers, ignore_errors=True)
+    cgroups.remove_delegated(config.run_path / cgroups.RECORD_FILE)
     if pid is not None:
         for name in shm.list_segments(f"rld{os.getuid()}-{pid}-"):
             shm.unlink(name)

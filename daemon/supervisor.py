@@ -63,6 +63,7 @@ from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_c
 from .config import NodeConfig
 from .node_engines import NodeEngines
 from .reaper import reap_state_dir
+from .sandbox import cgroups
 from .sandbox.apptainer import apptainer_available
 from .sandbox.images import cache_dir, resolve_image
 from .sandbox_user import own_folder, prepare_workers_dir, sandbox_user, workers_dir
@@ -159,6 +160,8 @@ class Supervisor:
         self.workers_dir = workers_dir(config)
         self.engines = NodeEngines(config, self.workers_dir, self.sandbox_user)
         """The node's shared vLLM engines, started before the workers, stopped after them."""
+        self.memory_cgroup: Path | None = None
+        """The memory cgroup folder handed to the sandbox user's workers (a root daemon's)."""
         self.curve: Any = None
         """The ZAP handler guarding ``self.tcp`` (closed after it, before the context)."""
 
@@ -172,6 +175,9 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             prepare_workers_dir(self.config, self.sandbox_user)
+            if self.sandbox_user is not None:  # the workers cannot make memory cgroups: hand them a folder
+                self.memory_cgroup = cgroups.delegate(self.workers_dir.name, self.sandbox_user.uid, self.sandbox_user.gid,
+                                                      self.run_dir / cgroups.RECORD_FILE)
             await self._check_workers_can_start()
             await self.engines.start()
             async with asyncio.TaskGroup() as tg:
@@ -243,6 +249,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             self.config.socket_path.unlink()
         shutil.rmtree(self.workers_dir, ignore_errors=True)
+        cgroups.remove_delegated(self.run_dir / cgroups.RECORD_FILE)
 
     # --- workers ---------------------------------------------------------------------------
 
@@ -281,6 +288,8 @@ class Supervisor:
         """Start the worker, and restart it whenever it dies, until shutdown."""
         while not self.stopping:
             env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
+            if self.memory_cgroup is not None:
+                env[cgroups.CGROUP_ENV] = str(self.memory_cgroup)
             state = self._worker_state(w.index)
             await asyncio.to_thread(reap_state_dir, state)
             state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -451,6 +460,9 @@ class Supervisor:
                 raise ShuttingDown("the node daemon is shutting down")
             op = header.get("op")
             args = parse_args(op, header.get("args"))
+            if op.startswith("debug.") and not self.config.debug_ops:
+                raise PermissionDenied(f"{op} is a debug operation, off on this node: start it with --debug-ops "
+                                       "(node config debug_ops = true) to use it")
         except RolloutdError as e:
             self._send(sock, client, framing.encode(MsgType.ERROR, {
                 "id": rid, "code": e.code, "message": str(e), "details": {}}))

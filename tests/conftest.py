@@ -32,7 +32,7 @@ def short_tmp() -> Iterator[Path]:
 
 
 def make_backend(kind: str, state_dir: Path) -> SandboxBackend:
-    return ApptainerBackend(state_dir) if kind == "apptainer" else LocalBackend(state_dir)
+    return ApptainerBackend(state_dir, uncontained_root_ok=True) if kind == "apptainer" else LocalBackend(state_dir)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -347,7 +347,7 @@ def test_tcp_needs_listed_keys_and_refuses_and_logs_the_rest(short_tmp: Path, mo
     pid = start_router(router_dir, *router_args)
     good, rogue = short_tmp / "n0", short_tmp / "n1"
     try:
-        common = ("--backend", "local", "--workers", "1", "--warm", "0", "--router", f"tcp://127.0.0.1:{node_port}",
+        common = ("--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops", "--router", f"tcp://127.0.0.1:{node_port}",
                   "--router-public-key-file", str(router_pub))
         start_nodes([good], *common, "--curve-secret-key-file", str(node_sec))
         start_nodes([rogue], *common, "--curve-secret-key-file", str(rogue_sec))

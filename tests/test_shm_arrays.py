@@ -19,7 +19,7 @@ SHM = Path("/dev/shm")
 
 
 def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops") as address:
         with RolloutClient(address) as client:
             reply = client.request("debug.make_arrays", {"n_tokens": 300_000, "n_trajectories": 3})
             ids = reply.arrays["response_ids"]
@@ -43,7 +43,7 @@ def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
 
 
 def test_frames_transport_gives_the_same_arrays(short_tmp: Path) -> None:
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops") as address:
         with RolloutClient(address, arrays="frames") as frames, RolloutClient(address) as shared:
             a = frames.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
             b = shared.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
@@ -65,7 +65,7 @@ time.sleep(60)
 
 def test_segments_of_a_killed_client_are_reclaimed(short_tmp: Path) -> None:
     env = {"ROLLOUTD_SHM_LEASE_TIMEOUT_S": "1"}
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", env=env) as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops", env=env) as address:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_THAT_DIES, address], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         segment = proc.stdout.readline().strip()

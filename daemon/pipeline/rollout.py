@@ -30,7 +30,7 @@ from rolloutd.native_io.errors import BadRequest, Busy, OperationTimeout, Rollou
 from ..agents.base import AgentOutcome, make_agent
 from ..agents.context import SandboxAgentContext
 from ..inference import SamplingParams, ServerPool
-from ..sandbox.base import SandboxSpec
+from ..sandbox.base import SandboxLimits, SandboxSpec
 from ..sandbox.pool import Lease, WarmPool
 from ..tasks.base import EvalResult, Task, get_task_type
 from ..tasks.datasets import resolve_task
@@ -53,10 +53,11 @@ class PipelineLimits:
 class RolloutPipeline:
     def __init__(self, *, sandboxes: WarmPool, inference: ServerPool, tokenizer: Any, limits: PipelineLimits,
                  cache_dir: Path, image: str = "default", binds: tuple[tuple[str, str, str], ...] = (),
-                 content_special_tokens: str = "text") -> None:
+                 content_special_tokens: str = "text", sandbox_limits: SandboxLimits | None = None) -> None:
         """``binds``: extra ``(host path, sandbox path, "ro"|"rw")`` binds of every rollout's sandbox
         (software a black-box harness needs, such as an SDK; the ``local`` backend ignores them).
-        ``content_special_tokens``: the node's default for the agents (their config may override it)."""
+        ``content_special_tokens``: the node's default for the agents (their config may override it).
+        ``sandbox_limits``: the caps of every rollout's sandbox (the node config's)."""
         self.sandboxes = sandboxes
         self.inference = inference
         self.tokenizer = tokenizer
@@ -65,6 +66,7 @@ class RolloutPipeline:
         self.image = image
         self.binds = binds
         self.content_special_tokens = content_special_tokens
+        self.sandbox_limits = sandbox_limits or SandboxLimits()
         self.gates = {"init": StageGate("init", limits.init), "run": StageGate("run", limits.run),
                       "eval": StageGate("eval", limits.eval)}
         self.admitted = 0
@@ -136,7 +138,7 @@ class RolloutPipeline:
         clock = StageClock(budget_s)
         task_type = get_task_type(task.type)
         spec = SandboxSpec(image=task.image if task.image != "default" else self.image,
-                           network=args.network, ipython=args.ipython, binds=self.binds)
+                           network=args.network, ipython=args.ipython, binds=self.binds, limits=self.sandbox_limits)
         lease: Lease | None = None
         agent = make_agent(args.agent, args.agent_config)
         outcome: AgentOutcome | None = None
