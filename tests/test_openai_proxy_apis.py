@@ -1,0 +1,173 @@
+"""The proxy's other wire APIs, driven by the official SDKs over the proxy's Unix socket (real
+HTTP) against the scripted reference policy: Anthropic's Messages API (the ``anthropic`` SDK:
+tool use, streaming, stop sequences, errors) and OpenAI's Responses API (the ``openai`` SDK's
+Responses client: function tools, streaming, errors). Each conversation lands in the same token
+history as chat completions: one segment when the harness sends back what it got, its ids the
+model's own, its text a fresh render of the conversation."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import numpy as np
+import openai
+import pytest
+
+from agent_support import call
+from openai_proxy_inprocess import KEY, MODEL, Proxy, httpx, proxy
+from openai_proxy_support import BASH_TOOL, check_segment_fidelity, decode, render_as_harness_sees_it
+from rolloutd.client.history_segments import split_history_segments
+
+SYSTEM = "You are a test agent."
+PLANS = {
+    "tools": [call("bash", "I will list the files.", command="ls"), "Done: the folder holds two files."],
+    "stop": ["First part. HALT and more words", "Second."],
+    "bare": [call("bash", "", command="pwd"), "In /work."],
+}
+ANTHROPIC_BASH = {"name": "bash", "description": BASH_TOOL["function"]["description"],
+                  "input_schema": BASH_TOOL["function"]["parameters"]}
+RESPONSES_BASH = {"type": "function", "name": "bash", "description": BASH_TOOL["function"]["description"],
+                  "parameters": BASH_TOOL["function"]["parameters"]}
+
+
+@contextlib.asynccontextmanager
+async def anthropic_client(p: Proxy, key: str = KEY) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    transport = httpx.AsyncHTTPTransport(uds=str(p.socket))
+    client = anthropic.AsyncAnthropic(api_key=key, base_url="http://localhost", max_retries=0,
+                                      http_client=anthropic.DefaultAsyncHttpxClient(transport=transport))
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def check_token_exact(p: Proxy, chat_messages: list[dict[str, Any]]) -> None:
+    """One segment, no rewrite; each turn's ids are the server's; the whole trajectory decodes to
+    a fresh render of ``chat_messages`` (the conversation in chat form) with the bash tool."""
+    outcome = p.session.outcome("completed")
+    assert not outcome.metrics["history_rewritten"], outcome.metrics["history_rewrites"]
+    assert len(outcome.metrics["history_segments"]) == 1 and outcome.num_turns == len(p.results)
+    for t, r in zip(outcome.turns, p.results):
+        assert np.array_equal(outcome.response_ids[t.start:t.end], r.token_ids)
+    whole = decode(np.concatenate([outcome.prompt_ids, outcome.response_ids]))
+    assert whole == render_as_harness_sees_it(chat_messages, [BASH_TOOL], ends_with_eot=True)
+    (only,) = split_history_segments(outcome)
+    check_segment_fidelity(only)
+
+
+async def test_anthropic_messages_tool_use_then_streamed_answer(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p, anthropic_client(p) as client:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Task id: tools\nLook around."}]
+        first = await client.messages.create(model=MODEL, system=SYSTEM, messages=messages, tools=[ANTHROPIC_BASH],
+                                             max_tokens=256)
+        assert first.stop_reason == "tool_use" and first.type == "message" and first.role == "assistant"
+        text, use = first.content
+        assert text.type == "text" and text.text == "I will list the files."
+        assert use.type == "tool_use" and use.name == "bash" and use.input == {"command": "ls"}
+        assert first.usage.output_tokens == len(p.results[0].token_ids)
+        # The harness sends the reply back as it got it, and the tool's result in a user message.
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": [{"type": "text", "text": "a.txt b.txt"}]}]}]
+        async with client.messages.stream(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=messages,
+                                          tools=[ANTHROPIC_BASH], max_tokens=256) as stream:
+            deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]
+            final = await stream.get_final_message()
+        assert "".join(deltas) == "Done: the folder holds two files." and len(deltas) > 1
+        assert final.stop_reason == "end_turn" and [b.text for b in final.content] == ["Done: the folder holds two files."]
+        assert final.usage.output_tokens == len(p.results[1].token_ids)
+        assert p.session.streamed == 1
+        check_token_exact(p, [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": messages[0]["content"]},
+            {"role": "assistant", "content": "I will list the files.",
+             "tool_calls": [{"id": use.id, "type": "function",
+                             "function": {"name": "bash", "arguments": json.dumps({"command": "ls"})}}]},
+            {"role": "tool", "tool_call_id": use.id, "content": "a.txt b.txt"},
+            {"role": "assistant", "content": "Done: the folder holds two files."}])
+
+
+async def test_anthropic_streamed_tool_use_stop_sequences_and_errors(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p, anthropic_client(p) as client:
+        async with client.messages.stream(model=MODEL, messages=[{"role": "user", "content": "Task id: bare\nGo."}],
+                                          tools=[ANTHROPIC_BASH], max_tokens=256) as stream:
+            final = await stream.get_final_message()
+        # A reply of only a call: one tool_use block, its input rebuilt from the partial JSON.
+        assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+        assert final.content[0].input == {"command": "pwd"}
+        stopped = await client.messages.create(model=MODEL, max_tokens=64, stop_sequences=["HALT"],
+                                               messages=[{"role": "user", "content": "Task id: stop\nGo."}])
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "HALT"
+        assert stopped.content[0].text == "First part. "
+        generated = len(p.results)
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model=MODEL, max_tokens=64, extra_body={"top_k": 5},
+                                         messages=[{"role": "user", "content": "Task id: stop\nGo."}])
+        assert e.value.body["error"]["type"] == "invalid_request_error" and "top_k" in e.value.message
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await client.messages.create(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+        assert "messages[0].content[0] is a 'image' block" in e.value.message
+        async with anthropic_client(p, key="not-the-key") as intruder:
+            with pytest.raises(anthropic.AuthenticationError) as e:
+                await intruder.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
+        # Refused requests never reached the model.
+        assert len(p.results) == generated
+
+
+async def test_responses_function_tools_then_streamed_answer(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p:
+        items: list[dict[str, Any]] = [{"role": "user", "content": "Task id: tools\nLook around."}]
+        first = await p.client.responses.create(model=MODEL, instructions=SYSTEM, input=items, tools=[RESPONSES_BASH],
+                                                max_output_tokens=256, store=False)
+        assert first.status == "completed" and first.output_text == "I will list the files."
+        message, fc = first.output
+        assert message.type == "message" and fc.type == "function_call"
+        assert fc.name == "bash" and json.loads(fc.arguments) == {"command": "ls"}
+        assert first.usage.output_tokens == len(p.results[0].token_ids)
+        # The harness sends back the output items and the function's output.
+        items += [item.model_dump(exclude_none=True) for item in first.output]
+        items.append({"type": "function_call_output", "call_id": fc.call_id, "output": "a.txt b.txt"})
+        deltas, final = [], None
+        async with p.client.responses.stream(model=MODEL, instructions=SYSTEM, input=items,
+                                             tools=[RESPONSES_BASH]) as stream:
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    deltas.append(event.delta)
+            final = await stream.get_final_response()
+        assert "".join(deltas) == "Done: the folder holds two files." and len(deltas) > 1
+        assert final.status == "completed" and final.output_text == "Done: the folder holds two files."
+        check_token_exact(p, [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": items[0]["content"]},
+            {"role": "assistant", "content": "I will list the files.",
+             "tool_calls": [{"id": fc.call_id, "type": "function",
+                             "function": {"name": "bash", "arguments": fc.arguments}}]},
+            {"role": "tool", "tool_call_id": fc.call_id, "content": "a.txt b.txt"},
+            {"role": "assistant", "content": "Done: the folder holds two files."}])
+
+
+async def test_responses_streamed_call_and_refusals(short_tmp: Path) -> None:
+    async with proxy(short_tmp, plans=PLANS) as p:
+        calls = []
+        async with p.client.responses.stream(model=MODEL, input="Task id: bare\nGo.", tools=[RESPONSES_BASH]) as s:
+            async for event in s:
+                if event.type == "response.function_call_arguments.done":
+                    calls.append(json.loads(event.arguments))
+            final = await s.get_final_response()
+        assert calls == [{"command": "pwd"}] and [i.type for i in final.output] == ["function_call"]
+        generated = len(p.results)
+        refused = {
+            "previous_response_id": {"previous_response_id": final.id},
+            "tools[0]": {"tools": [{"type": "web_search"}]},
+            "temperature": {"temperature": 0.5},
+        }
+        for param, fields in refused.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                await p.client.responses.create(model=MODEL, input="Task id: bare\nGo.", **fields)
+            assert e.value.param == param, (param, e.value.message)
+        assert len(p.results) == generated
