@@ -1,0 +1,89 @@
+"""mini-swe-agent solves a bundled task through the proxy: its own ``mini`` command line (its
+default agent loop, its LiteLLM model class, its local environment running each bash action)
+is the ``blackbox`` agent's harness in a sandbox, the scripted reference policy writes the fix,
+the task's evaluation rewards it, and every model call mini-swe-agent made is in the trajectory
+token for token (one history, no rewrite; its text a fresh render of the messages mini-swe-agent
+saved in its own trajectory file)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+from minisweagent.models.utils.actions_toolcall import BASH_TOOL as MINI_BASH_TOOL
+
+from agent_support import API_KEY, BUNDLED, call
+from openai_proxy_support import check_segment_fidelity, decode, render_as_harness_sees_it, sandbox_backend
+from rolloutd.client.history_segments import split_history_segments
+from rolloutd.client.wire import RolloutArgs, TaskRef
+from rolloutd.daemon.inference import ServerPool
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.daemon.sandbox.pool import WarmPool
+
+TASK = "casing-017"
+FIXED = "casing/convert.py"
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def plan() -> list[str]:
+    """A bash-only solve: read the splitter, write the fixed module, run the tests, submit the way
+    mini-swe-agent expects (the command's first output line)."""
+    fixed = (BUNDLED / TASK / "solution" / FIXED).read_text()
+    return [call("bash", "Let me read the word splitter.", command=f"sed -n 1,14p {FIXED}"),
+            call("bash", "Split an acronym from a following capitalised word.",
+                 command=f"cat > {FIXED} <<'EOF'\n{fixed}EOF"),
+            call("bash", "Run the tests.", command="python3 -m pytest -q"),
+            call("bash", "The tests pass; submitting.", command=f"echo {SUBMIT}")]
+
+
+def mini_command(traj: Path) -> str:
+    """``mini`` with its packaged config, no confirmations, the proxy as an OpenAI-compatible
+    endpoint (LiteLLM's ``openai/`` provider), its trajectory saved to ``traj``."""
+    argv = [sys.executable, "-m", "minisweagent.run.mini", "-y", "--exit-immediately", "--agent-class", "default",
+            "-c", "mini.yaml", "-c", "agent.step_limit=8", "-o", str(traj)]
+    return " ".join([shlex.join(argv), '-m "openai/$ROLLOUTD_MODEL"', # A line of its own for the task message's "Task id:" line (mini's template
+                     # prefixes "Please solve this issue: "), which the scripted policy keys on.
+                     '-t "$(echo; cat "$ROLLOUTD_TASK_PROMPT_FILE")"',
+                     '-c "model.model_kwargs.api_base=$OPENAI_BASE_URL"',
+                     '-c "model.model_kwargs.api_key=$OPENAI_API_KEY"'])
+
+
+async def test_mini_swe_agent_solves_a_bundled_task_through_the_proxy(short_tmp: Path) -> None:
+    plans = short_tmp / "plans.json"
+    plans.write_text(json.dumps({"plans": {TASK: plan()}}))
+    traj = short_tmp / "mini.traj.json"
+    env = {"MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
+           "MSWEA_GLOBAL_CONFIG_DIR": str(short_tmp / "mswea"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans)) as policy:
+        sandboxes = WarmPool(sandbox_backend("local", short_tmp / "sb"), warm_specs={})
+        await sandboxes.start()
+        inference = await ServerPool.create([policy.url], api_key=API_KEY)
+        pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(),
+                               limits=PipelineLimits(), cache_dir=short_tmp / "cache")
+        try:
+            args = RolloutArgs(task=TaskRef(TASK), agent="blackbox", ipython=False,
+                               agent_config={"command": mini_command(traj), "env": env, "timeout_s": 300},
+                               sampling={"max_tokens": 1024, "seed": 1})
+            (t,) = await pipe.run_request("mini", args)
+        finally:
+            await inference.close()
+            await sandboxes.close()
+    assert (t.finish_reason, t.error_message) == ("completed", None), t.metrics.get("harness_output_tail")
+    assert t.reward == 1.0  # the task's own tests pass on what mini-swe-agent's actions wrote
+    saved = json.loads(traj.read_text())
+    assert saved["info"]["exit_status"] == "Submitted"
+    assert t.num_turns == 4 and t.metrics["tool_calls"] == {"bash": 4}
+    assert not t.metrics["history_rewritten"], t.metrics["history_rewrites"]
+    (segment,) = split_history_segments(t)
+    check_segment_fidelity(segment)
+    # Token-exact: the trajectory is a fresh render of the conversation mini-swe-agent kept.
+    sent = [{k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id")}
+            for m in saved["messages"] if m["role"] != "exit"]
+    assert [m["role"] for m in sent] == ["system", "user"] + ["assistant", "tool"] * 3 + ["assistant"]
+    whole = decode(np.concatenate([t.prompt_ids, t.response_ids]))
+    assert whole == render_as_harness_sees_it(sent, [MINI_BASH_TOOL], ends_with_eot=True)
