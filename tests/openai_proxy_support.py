@@ -47,12 +47,12 @@ TOOLS_PLAN = [
 """Three model turns: one tool call, two parallel calls, a final answer."""
 
 
-def sandbox_sdk_dir() -> Path:
-    """The ``openai`` SDK of this venv's version with its dependencies, installed once for the
-    sandbox's Python into ``.cache/`` of the checkout (binary wheels for that Python, so it works
-    whatever Python runs the tests)."""
-    version = importlib.metadata.version("openai")
-    target = REPO / ".cache" / "sandbox-sdk" / f"openai-{version}-py{SANDBOX_PYTHON}"
+def sandbox_sdk_dir(package: str = "openai") -> Path:
+    """The SDK ``package`` (``openai``, ``anthropic``) of this venv's version with its
+    dependencies, installed once for the sandbox's Python into ``.cache/`` of the checkout (binary
+    wheels for that Python, so it works whatever Python runs the tests)."""
+    version = importlib.metadata.version(package)
+    target = REPO / ".cache" / "sandbox-sdk" / f"{package}-{version}-py{SANDBOX_PYTHON}"
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -63,10 +63,10 @@ def sandbox_sdk_dir() -> Path:
             shutil.rmtree(staging, ignore_errors=True)
             argv = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
                     str(staging), "--python-version", SANDBOX_PYTHON, "--implementation", "cp",
-                    "--only-binary=:all:", f"openai=={version}"]
+                    "--only-binary=:all:", f"{package}=={version}"]
             run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
-                raise RuntimeError(f"could not install the openai SDK for the sandbox ({' '.join(argv)}): "
+                raise RuntimeError(f"could not install the {package} SDK for the sandbox ({' '.join(argv)}): "
                                    f"{run.stderr[-2000:]}")
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
@@ -78,19 +78,19 @@ def sandbox_backend(kind: str, state_dir: Path) -> SandboxBackend:
     return ApptainerBackend(state_dir) if kind == "apptainer" else LocalBackend(state_dir)
 
 
-def harness_command(backend: str, *flags: str) -> str:
+def harness_command(backend: str, *flags: str, script: str = "harness.py") -> str:
     folder = HARNESS_INSIDE if backend == "apptainer" else str(HARNESS_DIR)
-    return " ".join(["python3", f"{folder}/harness.py", "--out", OUT, *flags])
+    return " ".join(["python3", f"{folder}/{script}", "--out", OUT, *flags])
 
 
 def harness_env(backend: str) -> dict[str, str]:
     return {"PYTHONPATH": SDK_INSIDE} if backend == "apptainer" else {}
 
 
-def sandbox_binds(backend: str) -> tuple[tuple[str, str, str], ...]:
+def sandbox_binds(backend: str, sdk: str = "openai") -> tuple[tuple[str, str, str], ...]:
     if backend != "apptainer":
         return ()
-    return ((str(sandbox_sdk_dir()), SDK_INSIDE, "ro"), (str(HARNESS_DIR), HARNESS_INSIDE, "ro"))
+    return ((str(sandbox_sdk_dir(sdk)), SDK_INSIDE, "ro"), (str(HARNESS_DIR), HARNESS_INSIDE, "ro"))
 
 
 @contextlib.asynccontextmanager
