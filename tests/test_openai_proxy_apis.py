@@ -171,3 +171,36 @@ async def test_responses_streamed_call_and_refusals(short_tmp: Path) -> None:
                 await p.client.responses.create(model=MODEL, input="Task id: bare\nGo.", **fields)
             assert e.value.param == param, (param, e.value.message)
         assert len(p.results) == generated
+
+
+async def test_rewritten_histories_are_flagged_on_both_apis(short_tmp: Path) -> None:
+    """A harness that edits the model's reply before sending it back: a new segment from a fresh
+    render, each segment still the model's exact ids, and the proxy says where it parted."""
+    async with proxy(short_tmp, plans=PLANS) as p, anthropic_client(p) as client:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Task id: tools\nLook around."}]
+        first = await client.messages.create(model=MODEL, system=SYSTEM, messages=messages, tools=[ANTHROPIC_BASH],
+                                             max_tokens=256)
+        edited = [b.model_dump(exclude_none=True) for b in first.content]
+        edited[0]["text"] = "I rewrote this reply."
+        messages += [{"role": "assistant", "content": edited},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[1].id,
+                                                   "content": "a.txt"}]}]
+        await client.messages.create(model=MODEL, system=SYSTEM, messages=messages, tools=[ANTHROPIC_BASH],
+                                     max_tokens=256)
+        items: list[Any] = [{"role": "user", "content": "Task id: tools\nLook around."}]
+        reply = await p.client.responses.create(model=MODEL, instructions=SYSTEM, input=items, tools=[RESPONSES_BASH])
+        # The function call sent back without the text the model wrote before it.
+        items += [i.model_dump(exclude_none=True) for i in reply.output if i.type == "function_call"]
+        items.append({"type": "function_call_output", "call_id": reply.output[1].call_id, "output": "a.txt"})
+        await p.client.responses.create(model=MODEL, instructions=SYSTEM, input=items, tools=[RESPONSES_BASH])
+        outcome = p.session.outcome("completed")
+    assert [r["reason"].split(": ", 1)[1] for r in outcome.metrics["history_rewrites"]] == [
+        "message 2 differs from the model's reply there (content or tool calls edited)",
+        "the request drops messages 2.. (history cut, or a reply asked for again)",  # the same task asked anew
+        "message 2 differs from the model's reply there (content or tool calls edited)"]
+    segments = split_history_segments(outcome)
+    assert len(segments) == 4
+    for segment in segments:
+        check_segment_fidelity(segment)
+    for t, r in zip(outcome.turns, p.results):
+        assert np.array_equal(outcome.response_ids[t.start:t.end], r.token_ids)
