@@ -17,8 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from agent_support import RecordingContext, agent_context, call, reference_tokenizer
+from agent_support import API_KEY, RecordingContext, agent_context, call, reference_tokenizer
 from rolloutd.client.history_segments import HistorySegment
+from rolloutd.client.trajectory import Trajectory
+from rolloutd.client.wire import RolloutArgs, TaskRef
+from rolloutd.daemon.inference import ServerPool
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxBackend
@@ -110,6 +117,29 @@ async def proxy_context(kind: str, state_dir: Path, instance_id: str, replies: l
     assert ctx.lease.sandbox.stop_rung is not None
     if isinstance(backend, ApptainerBackend):
         assert backend.leftover_instances() == []
+
+
+async def run_blackbox(state_dir: Path, backend: str, task: TaskRef, plans: dict[str, list[str]],
+                       agent_config: dict[str, Any], *, sdk: str = "openai", n: int = 1,
+                       max_tokens: int = 256) -> list[Trajectory]:
+    """``n`` rollouts of ``task`` through a RolloutPipeline with the ``blackbox`` agent on
+    ``agent_config``, in sandboxes of ``backend`` (the SDK ``sdk`` and the test harnesses bound in
+    for Apptainer), against the reference server following ``plans``."""
+    plans_file = state_dir / "plans.json"
+    plans_file.write_text(json.dumps({"plans": plans}))
+    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans_file)) as policy:
+        sandboxes = WarmPool(sandbox_backend(backend, state_dir / "sb"), warm_specs={})
+        await sandboxes.start()
+        inference = await ServerPool.create([policy.url], api_key=API_KEY)
+        pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(),
+                               limits=PipelineLimits(), cache_dir=state_dir / "cache", binds=sandbox_binds(backend, sdk))
+        try:
+            args = RolloutArgs(task=task, agent="blackbox", ipython=False, n=n, agent_config=agent_config,
+                               sampling={"max_tokens": max_tokens, "seed": 1})
+            return await pipe.run_request("bb", args)
+        finally:
+            await inference.close()
+            await sandboxes.close()
 
 
 def harness_output(ctx: RecordingContext) -> dict[str, Any]:

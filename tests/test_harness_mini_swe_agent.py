@@ -15,15 +15,10 @@ from pathlib import Path
 import numpy as np
 from minisweagent.models.utils.actions_toolcall import BASH_TOOL as MINI_BASH_TOOL
 
-from agent_support import API_KEY, BUNDLED, call
-from openai_proxy_support import check_segment_fidelity, decode, render_as_harness_sees_it, sandbox_backend
+from agent_support import BUNDLED, call
+from openai_proxy_support import check_segment_fidelity, decode, render_as_harness_sees_it, run_blackbox
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.wire import RolloutArgs, TaskRef
-from rolloutd.daemon.inference import ServerPool
-from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
-from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
-from rolloutd.daemon.policy.tokenizer import load_tokenizer
-from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.client.wire import TaskRef
 
 TASK = "casing-017"
 FIXED = "casing/convert.py"
@@ -54,25 +49,11 @@ def mini_command(traj: Path) -> str:
 
 
 async def test_mini_swe_agent_solves_a_bundled_task_through_the_proxy(short_tmp: Path) -> None:
-    plans = short_tmp / "plans.json"
-    plans.write_text(json.dumps({"plans": {TASK: plan()}}))
     traj = short_tmp / "mini.traj.json"
     env = {"MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
            "MSWEA_GLOBAL_CONFIG_DIR": str(short_tmp / "mswea"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans)) as policy:
-        sandboxes = WarmPool(sandbox_backend("local", short_tmp / "sb"), warm_specs={})
-        await sandboxes.start()
-        inference = await ServerPool.create([policy.url], api_key=API_KEY)
-        pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(),
-                               limits=PipelineLimits(), cache_dir=short_tmp / "cache")
-        try:
-            args = RolloutArgs(task=TaskRef(TASK), agent="blackbox", ipython=False,
-                               agent_config={"command": mini_command(traj), "env": env, "timeout_s": 300},
-                               sampling={"max_tokens": 1024, "seed": 1})
-            (t,) = await pipe.run_request("mini", args)
-        finally:
-            await inference.close()
-            await sandboxes.close()
+    (t,) = await run_blackbox(short_tmp, "local", TaskRef(TASK), {TASK: plan()},
+                              {"command": mini_command(traj), "env": env, "timeout_s": 300}, max_tokens=1024)
     assert (t.finish_reason, t.error_message) == ("completed", None), t.metrics.get("harness_output_tail")
     assert t.reward == 1.0  # the task's own tests pass on what mini-swe-agent's actions wrote
     saved = json.loads(traj.read_text())

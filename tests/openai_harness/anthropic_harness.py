@@ -8,12 +8,11 @@ answers without a tool. It writes what it saw to ``--out`` (JSON: the messages, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import anthropic
+from harness_io import run_bash, write_output
 
 SYSTEM = "You are a test harness agent. Use the bash tool to inspect the repository."
 BASH = {"name": "bash", "description": "Run a bash command in the repository.",
@@ -40,13 +39,9 @@ def main() -> int:
             break
         results = []
         for use in uses:
-            run = subprocess.run(["bash", "-c", use.input["command"]], capture_output=True, text=True, timeout=30)
-            results.append({"type": "tool_result", "tool_use_id": use.id, "content": (run.stdout + run.stderr).strip()})
+            results.append({"type": "tool_result", "tool_use_id": use.id, "content": run_bash(use.input["command"])})
         messages.append({"role": "user", "content": results})
-    seen["messages"] = messages
-    with open(args.out, "w") as f:
-        json.dump(seen, f)
-    return 0
+    return write_output(args.out, seen, messages)
 
 
 if __name__ == "__main__":
