@@ -7,6 +7,7 @@ model's own, its text a fresh render of the conversation."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -17,11 +18,14 @@ import anthropic
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent_support import call
 from openai_proxy_inprocess import KEY, MODEL, Proxy, httpx, proxy
 from openai_proxy_support import BASH_TOOL, check_segment_fidelity, decode, render_as_harness_sees_it
 from rolloutd.client.history_segments import split_history_segments
+from test_openai_proxy_errors import JSON
 
 SYSTEM = "You are a test agent."
 PLANS = {
@@ -204,3 +208,52 @@ async def test_rewritten_histories_are_flagged_on_both_apis(short_tmp: Path) -> 
         check_segment_fidelity(segment)
     for t, r in zip(outcome.turns, p.results):
         assert np.array_equal(outcome.response_ids[t.start:t.end], r.token_ids)
+
+
+BLOCK = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image"]) | JSON}, optional={
+    "text": st.text(max_size=8) | JSON, "id": JSON, "name": st.just("bash") | JSON, "input": JSON,
+    "tool_use_id": st.text(max_size=4) | JSON, "content": st.text(max_size=8) | JSON})
+ANTHROPIC_BODY = st.fixed_dictionaries({
+    "model": st.just(MODEL), "max_tokens": st.integers(-1, 4) | JSON,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | JSON,
+                                                "content": st.text(max_size=8) | st.lists(BLOCK, max_size=3)}),
+                         min_size=1, max_size=3) | JSON}, optional={
+    "system": st.text(max_size=8) | JSON, "tools": st.just([ANTHROPIC_BASH]) | JSON, "tool_choice": JSON,
+    "stop_sequences": JSON, "stream": st.booleans(), "metadata": JSON, "temperature": JSON})
+ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | JSON,
+    "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | JSON,
+    "content": st.text(max_size=8) | JSON, "call_id": st.text(max_size=4) | JSON, "name": st.just("bash") | JSON,
+    "arguments": st.just('{"command": "ls"}') | JSON, "output": st.text(max_size=8) | JSON})
+RESPONSES_BODY = st.fixed_dictionaries({
+    "model": st.just(MODEL), "input": st.text(max_size=8) | st.lists(ITEM, min_size=1, max_size=4) | JSON}, optional={
+    "instructions": st.text(max_size=8) | JSON, "tools": st.just([RESPONSES_BASH]) | JSON, "tool_choice": JSON,
+    "max_output_tokens": JSON, "text": JSON, "stream": st.booleans(), "previous_response_id": JSON,
+    "include": JSON, "truncation": JSON, "store": JSON})
+
+
+@pytest.mark.parametrize("route,body,headers", [
+    ("/v1/messages", ANTHROPIC_BODY, {"x-api-key": KEY}),
+    ("/v1/responses", RESPONSES_BODY, {"Authorization": f"Bearer {KEY}"})])
+async def test_fuzzed_bodies_are_never_a_server_error(short_tmp: Path, route: str, body: Any,
+                                                      headers: dict[str, str]) -> None:
+    seen: dict[int, int] = {}
+    async with proxy(short_tmp, max_requests=100_000, max_tokens_per_turn=2) as p:
+        def fuzz() -> None:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(p.socket)), base_url="http://localhost",
+                              headers=headers, timeout=60) as raw:
+                @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+                @given(body)
+                def one(sent: dict[str, Any]) -> None:
+                    answer = raw.post(route, content=json.dumps(sent).encode())
+                    seen[answer.status_code] = seen.get(answer.status_code, 0) + 1
+                    assert answer.status_code in (200, 400), (answer.status_code, answer.text[:500])
+                    if answer.status_code == 400:
+                        error = answer.json()["error"]
+                        assert isinstance(error["message"], str) and error["message"]
+                    p.session.stop_reason = None  # a context or turn limit would refuse every later body
+
+                one()
+
+        await asyncio.to_thread(fuzz)
+    assert seen.get(400, 0) > 30 and seen.get(200, 0) > 0, seen
