@@ -121,10 +121,10 @@ async def proxy_context(kind: str, state_dir: Path, instance_id: str, replies: l
 
 async def run_blackbox(state_dir: Path, backend: str, task: TaskRef, plans: dict[str, list[str]],
                        agent_config: dict[str, Any], *, sdk: str = "openai", n: int = 1,
-                       max_tokens: int = 256) -> list[Trajectory]:
+                       max_tokens: int = 256, binds: tuple[tuple[str, str, str], ...] = ()) -> list[Trajectory]:
     """``n`` rollouts of ``task`` through a RolloutPipeline with the ``blackbox`` agent on
     ``agent_config``, in sandboxes of ``backend`` (the SDK ``sdk`` and the test harnesses bound in
-    for Apptainer), against the reference server following ``plans``."""
+    for Apptainer, and ``binds``), against the reference server following ``plans``."""
     plans_file = state_dir / "plans.json"
     plans_file.write_text(json.dumps({"plans": plans}))
     async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans_file)) as policy:
@@ -132,7 +132,8 @@ async def run_blackbox(state_dir: Path, backend: str, task: TaskRef, plans: dict
         await sandboxes.start()
         inference = await ServerPool.create([policy.url], api_key=API_KEY)
         pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(),
-                               limits=PipelineLimits(), cache_dir=state_dir / "cache", binds=sandbox_binds(backend, sdk))
+                               limits=PipelineLimits(), cache_dir=state_dir / "cache",
+                               binds=sandbox_binds(backend, sdk) + binds)
         try:
             args = RolloutArgs(task=task, agent="blackbox", ipython=False, n=n, agent_config=agent_config,
                                sampling={"max_tokens": max_tokens, "seed": 1})
