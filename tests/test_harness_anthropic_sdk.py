@@ -32,7 +32,8 @@ async def test_anthropic_sdk_harness_fixes_a_task_through_the_proxy(short_tmp: P
     command = harness_command(backend, script="anthropic_harness.py")
     (t,) = await run_blackbox(short_tmp, backend, TaskRef(inline=TASK), {TASK["instance_id"]: PLAN},
                               {"command": command, "env": harness_env(backend)}, sdk="anthropic")
-    assert (t.finish_reason, t.reward, t.error_message) == ("completed", 1.0, None), t.metrics.get("harness_output_tail")
+    outcome = (t.finish_reason, t.reward, t.error_message)
+    assert outcome == ("completed", 1.0, None), t.metrics.get("harness_output_tail")
     assert t.num_turns == 2 and t.metrics["tool_calls"] == {"bash": 1} and t.metrics["streamed_requests"] == 2
     assert not t.metrics["history_rewritten"], t.metrics["history_rewrites"]
     (segment,) = split_history_segments(t)

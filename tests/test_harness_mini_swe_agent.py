@@ -17,7 +17,13 @@ import pytest
 from minisweagent.models.utils.actions_toolcall import BASH_TOOL as MINI_BASH_TOOL
 
 from agent_support import BUNDLED, call
-from openai_proxy_support import check_segment_fidelity, decode, harness_env, render_as_harness_sees_it, run_blackbox
+from openai_proxy_support import (
+    check_segment_fidelity,
+    decode,
+    harness_env,
+    render_as_harness_sees_it,
+    run_blackbox,
+)
 from rolloutd.client.history_segments import split_history_segments
 from rolloutd.client.wire import TaskRef
 

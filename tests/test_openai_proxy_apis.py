@@ -83,7 +83,8 @@ async def test_anthropic_messages_tool_use_then_streamed_answer(short_tmp: Path)
             deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]
             final = await stream.get_final_message()
         assert "".join(deltas) == "Done: the folder holds two files." and len(deltas) > 1
-        assert final.stop_reason == "end_turn" and [b.text for b in final.content] == ["Done: the folder holds two files."]
+        assert final.stop_reason == "end_turn"
+        assert [b.text for b in final.content] == ["Done: the folder holds two files."]
         assert final.usage.output_tokens == len(p.results[1].token_ids)
         assert p.session.streamed == 1
         check_token_exact(p, [

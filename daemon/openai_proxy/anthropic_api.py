@@ -85,7 +85,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
-            out += _assistant(content, f"{where}.content") if role == "assistant" else _user(content, f"{where}.content")
+            blocks = _assistant if role == "assistant" else _user
+            out += blocks(content, f"{where}.content")
         else:
             raise BadRequest(f"{where}.content must be a string or a list of blocks",
                              details={"param": f"{where}.content"})
@@ -99,7 +100,8 @@ def _assistant(blocks: list[Any], where: str) -> list[dict[str, Any]]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_use":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
-                raise BadRequest(f"{where}[{i}] must have a name and an object input", details={"param": f"{where}[{i}]"})
+                raise BadRequest(f"{where}[{i}] must have a name and an object input",
+                                 details={"param": f"{where}[{i}]"})
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
         else:
@@ -132,9 +134,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         raise BadRequest("tools must be a list", details={"param": "tools"})
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+        client_tool = isinstance(tool, dict) and tool.get("type") in (None, "custom")
+        if not client_tool or not isinstance(tool.get("name"), str):
             raise BadRequest(f"tools[{i}] must be a client tool {{'name', 'description', 'input_schema'}}; "
-                             "server tools (web search, code execution...) are not served", details={"param": f"tools[{i}]"})
+                             "server tools (web search, code execution...) are not served",
+                             details={"param": f"tools[{i}]"})
         schema = tool.get("input_schema")
         out.append({"type": "function", "function": function_tool(tool["name"], tool.get("description"), schema)})
     return out

@@ -46,7 +46,8 @@ def parse_responses_request(body: Any, *, unapplied: str = "refuse") -> ChatRequ
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("instructions must be a string", details={"param": "instructions"})
-    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input"))
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    chat["messages"] = system + _input(body.get("input"))
     tools = body.get("tools")
     if tools:
         chat["tools"] = _tools(tools)
@@ -102,7 +103,8 @@ def _input(value: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text(item.get("output"), f"{where}.output")})
         else:
-            raise BadRequest(f"{where} is a {kind!r} item{' with role ' + repr(item.get('role')) if kind == 'message' else ''}; "
+            role = f" with role {item.get('role')!r}" if kind == "message" else ""
+            raise BadRequest(f"{where} is a {kind!r} item{role}; "
                              "supported: message (user, system, developer, assistant), function_call, "
                              "function_call_output", details={"param": where})
     return out

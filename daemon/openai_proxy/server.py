@@ -3,21 +3,23 @@
 Routes: ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``),
 ``POST /v1/messages`` (Anthropic's Messages API) and ``POST /v1/responses`` (OpenAI's Responses
 API), both translated into a chat request of the same session (``apis.py``: one history, one
-token ledger, their own reply, stream and error shapes), ``GET /v1/models``, ``GET /v1/models/{id}`` (any id: chat serves the one policy under any model
-name, so every name is that model); ``POST /v1/completions`` is refused (404 naming the chat
-route: a text completion has no chat history to keep). Every route needs ``Authorization: Bearer <key>``
-(or Anthropic's ``x-api-key: <key>``) with the rollout's own key. The socket sits in the lease's run folder, which the sandbox sees
-at ``/run/rolloutd``; nothing listens on TCP (a harness that needs a URL gets one from the
-loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
+token ledger, their own reply, stream and error shapes), ``GET /v1/models``,
+``GET /v1/models/{id}`` (any id: chat serves the one policy under any model name, so every name
+is that model); ``POST /v1/completions`` is refused (404 naming the chat route: a text
+completion has no chat history to keep). Every route needs ``Authorization: Bearer <key>`` (or
+Anthropic's ``x-api-key: <key>``) with the rollout's own key. The socket sits in the lease's run
+folder, which the sandbox sees at ``/run/rolloutd``; nothing listens on TCP (a harness that needs
+a URL gets one from the loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
 
 A streamed reply is written once the whole turn is generated (the inference pool returns whole
 turns): the role, the content in pieces, each tool call, the finish reason, the usage when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
-``{"type": "error", "error": {...}}`` on ``/v1/messages``), the HTTP layer's too: 400 for requests refused (the SDK does not retry them), 401 for a wrong key, 404 for an
-unknown route, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 502 when the
-inference servers failed (the SDK retries; the history is unchanged), 503 once the rollout is over.
+``{"type": "error", "error": {...}}`` on ``/v1/messages``), the HTTP layer's too: 400 for
+requests refused (the SDK does not retry them), 401 for a wrong key, 404 for an unknown route,
+405 for a wrong method, 413 for a body over ``max_body_bytes``, 502 when the inference servers
+failed (the SDK retries; the history is unchanged), 503 once the rollout is over.
 """
 
 from __future__ import annotations
