@@ -38,7 +38,8 @@ def expected(record: dict[str, Any]) -> int:
 
 
 def problem_statement(record: dict[str, Any]) -> str:
-    return (f"The file {record['file']} holds a number. Write that number {record['op']} {record['operand']} "
+    # The operator as the shell writes it: the policy copies tokens rather than learning a mapping.
+    return (f"The file {record['file']} holds a number. Write that number {OPS[record['op']]} {record['operand']} "
             f"to {ANSWER_FILE}, then submit.")
 
 
