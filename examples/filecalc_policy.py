@@ -9,6 +9,7 @@ trajectory's prompt ids equal the ones demonstrated here.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import shutil
@@ -25,7 +26,14 @@ from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.agents.toolcalls import BASH, SUBMIT
-from rolloutd.daemon.inference.tiny_model import IM_END_ID, TOKENIZER_FILES, TinyModelSpec, build_tiny_model
+from rolloutd.daemon.inference.tiny_model import (
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    TOKENIZER_FILES,
+    TinyModelSpec,
+    build_tiny_model,
+)
+from rolloutd.daemon.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from rolloutd.daemon.sandbox.base import WORKSPACE_INSIDE
 from rolloutd.daemon.tasks.filecalc import oracle_replies, problem_statement
 
@@ -85,10 +93,11 @@ class Policy:
     """A Qwen2ForCausalLM the trainer updates, saved as the folder vLLM loads."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # The daemon's loader: AutoTokenizer would pick the slow Qwen2 class, which splits text differently.
+        self.tokenizer = load_tokenizer(model_dir)
 
     @classmethod
     def fresh(cls, dest: Path, spec: TinyModelSpec) -> "Policy":
@@ -101,10 +110,9 @@ class Policy:
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
-        source = Path(self.tokenizer.name_or_path)
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (source / name).exists():
-                shutil.copy(source / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            shutil.copy(DEFAULT_TOKENIZER_DIR / name, tmp / name)
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END_ID, ENDOFTEXT_ID]}))
         for path in tmp.iterdir():
             path.chmod(0o644)
         shutil.rmtree(dest, ignore_errors=True)

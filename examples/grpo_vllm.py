@@ -184,7 +184,7 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tu
             surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
             loss = loss - surrogate.sum() / total_tokens
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += loss.item()
     if max_diff > ONPOLICY_TOLERANCE:
         raise RolloutdError(f"on-policy check failed: the trainer's log-probabilities differ from vLLM's by up to "
                             f"{max_diff:.3g} (> {ONPOLICY_TOLERANCE}); the pushed weights did not reach vLLM")
