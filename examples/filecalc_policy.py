@@ -129,7 +129,7 @@ class Policy:
         for row in rows[1:]:
             shared = next((i for i in range(shared) if row[i] != rows[0][i]), shared)
         prefix = self.model(input_ids=torch.tensor([rows[0][:shared]]), use_cache=True)
-        cache = prefix.past_key_values
+        cache = prefix.cache
         cache.batch_repeat_interleave(len(rows))
         width = max(map(len, rows)) - shared
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -140,7 +140,7 @@ class Policy:
             attention[i, shared:len(row)] = 1
         positions = torch.arange(shared, shared + width)[None].expand(len(rows), -1)
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache).logits.float()
+                            cache=cache).logits.float()
         out = []
         for i, s in enumerate(batch):
             start, end = len(s.prompt) - shared, len(s.prompt) - shared + len(s.response)

@@ -159,6 +159,12 @@ def version_number(label: str) -> int:
     return int(label[1:])
 
 
+def fresh_enough(versions: list[str], current: int, max_lag: int) -> bool:
+    """Every turn was generated at most ``max_lag`` pushes before the trainer's ``current`` weights
+    (a trajectory without turns has nothing to train on)."""
+    return bool(versions) and all(0 <= current - version_number(v) <= max_lag for v in versions)
+
+
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tuple[str, Trajectory]],
                 clip: float) -> tuple[float, float]:
     """One optimizer step; (loss, max |trainer log-prob - vLLM log-prob| over generated tokens)."""
@@ -259,8 +265,7 @@ def one_step(step: int, client: RolloutClient, server: VLLMServer, policy: Polic
             raise RolloutdError("the agent's prompt ids differ from the demonstrations' (the warm start taught "
                                 "another prompt)")
     valid = [(g, t) for g, t in batch if t.reward_valid]
-    fresh = [(g, t) for g, t in valid
-             if t.turns and all(current - version_number(v) <= args.max_lag for v in t.weight_versions)]
+    fresh = [(g, t) for g, t in valid if fresh_enough(t.weight_versions, current, args.max_lag)]
     t1 = time.monotonic()
     loss, diff = grpo_update(policy, optimizer, fresh, args.clip)
     t2 = time.monotonic()
@@ -325,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--max-lag", type=int, default=0, help="refuse turns this many versions older than the trainer's")
     p.add_argument("--max-tokens", type=int, default=64, help="per model turn")
-    p.add_argument("--instances", type=int, default=4000)
+    p.add_argument("--instances", type=int, default=3000)
     p.add_argument("--sft-demos", type=int, default=512)
-    p.add_argument("--sft-target", type=float, default=0.15)
+    p.add_argument("--sft-target", type=float, default=0.3)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--sft-max-steps", type=int, default=600)
+    p.add_argument("--sft-max-steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)

@@ -13,13 +13,52 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rolloutd.daemon.inference.tiny_model import Recompute
+import torch
+
+from rolloutd.client.trajectory import Trajectory
+from rolloutd.daemon.inference.tiny_model import Recompute, TinyModelSpec
+from rolloutd.daemon.tasks.filecalc import generate
+from rolloutd.native_io.errors import RolloutdError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_vllm.py"
 
-pytestmark = [pytest.mark.vllm, pytest.mark.apptainer, pytest.mark.timeout(1200)]
+sys.path.insert(0, str(EXAMPLE.parent))
+from filecalc_policy import Policy, demonstration  # noqa: E402
+from grpo_vllm import fresh_enough, grpo_update  # noqa: E402
 
 
+def test_stale_turns_are_refused() -> None:
+    assert fresh_enough(["v3", "v3"], 3, 0) and fresh_enough(["v2", "v3"], 3, 1)
+    assert not fresh_enough(["v2", "v3"], 3, 0), "a turn one push old, none allowed"
+    assert not fresh_enough([], 3, 0), "no turns: nothing to train on"
+    with pytest.raises(RolloutdError, match="not one this trainer pushed"):
+        fresh_enough(["default"], 0, 0)
+
+
+def test_the_update_refuses_log_probabilities_off_the_policy(short_tmp: Path) -> None:
+    policy = Policy.fresh(short_tmp / "m", TinyModelSpec())
+    record = generate(1)[0]
+    demo = demonstration(policy.tokenizer, record)
+    with torch.no_grad():
+        exact = policy.logprobs([demo])[0].numpy() * demo.mask
+    batch = []
+    for i, reward in enumerate((0.0, 1.0)):
+        t = Trajectory(request_id="r", sample_index=i, task_id=record["instance_id"],
+                       prompt_ids=np.array(demo.prompt, dtype=np.int32), response_ids=np.array(demo.response, dtype=np.int32),
+                       response_mask=demo.mask, response_logprobs=exact.astype(np.float32), reward=reward,
+                       finish_reason="completed", num_turns=2)
+        batch.append((record["instance_id"], t))
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    _, diff = grpo_update(policy, optimizer, batch, clip=0.2)
+    assert diff <= 1e-4
+    batch[0][1].response_logprobs[np.flatnonzero(demo.mask)[3]] += 1e-3  # what stale weights in vLLM give
+    with pytest.raises(RolloutdError, match="on-policy check failed"):
+        grpo_update(policy, optimizer, batch, clip=0.2)
+
+
+@pytest.mark.vllm
+@pytest.mark.apptainer
+@pytest.mark.timeout(1200)
 def test_two_steps_push_weights_into_vllm_and_rewards_come_from_the_eval_stage(short_tmp: Path) -> None:
     work, out = short_tmp / "w", short_tmp / "out.json"
     # No warm start (target 0): the seeded random model, 2 tasks x 2 samples, 2 + 2 evaluation samples.
@@ -41,7 +80,7 @@ def test_two_steps_push_weights_into_vllm_and_rewards_come_from_the_eval_stage(s
     assert 0 < summary["vllm_busy_share"] <= 1
 
     lines = [json.loads(line) for line in (work / "trajectories.jsonl").read_text().splitlines()]
-    assert len(lines) == 2 * 2 + 2 * 2 * 2  # two evaluations of 2 + 2, two steps of 2 x 2
+    assert len(lines) == 2 * (2 + 2) + 2 * 2 * 2  # two evaluations of 2 held-out + 2 probe, two steps of 2 x 2
     step2 = [t for t in lines if t["phase"] == "step-2"]
     assert step2 and all({turn["weight_version"] for turn in t["turns"]} == {"v1"} for t in step2)
     # ... and the check has teeth: against the weights before the push, the same tokens are far off.

@@ -26,10 +26,12 @@ from .base import Task, require
 from .command import CommandTaskType
 
 OPS = {"plus": "+", "minus": "-", "times": "*"}
-FILES = ("n.txt", "x.txt", "value.txt", "input.txt", "num.txt", "data.txt")
+# Small choice sets (36 combinations of file, operator and operand; 3,240 instances with the values):
+# a policy of half a million parameters learns to copy them into its command within minutes on a CPU.
+FILES = ("n.txt", "x.txt", "value.txt")
 ANSWER_FILE = "answer.txt"
 VALUES = (10, 99)
-OPERANDS = (2, 9)
+OPERANDS = (2, 5)
 
 
 def expected(record: dict[str, Any]) -> int:
