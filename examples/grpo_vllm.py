@@ -201,7 +201,8 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tu
 def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> Policy:
     spec = TinyModelSpec(seed=args.seed, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
     cache = CACHE / "models"
-    key = f"filecalc-sft-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.seed}"
+    key = (f"filecalc-sft-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
+           f"{args.seed}")
     if (cache / key / "config.json").exists():
         print(f"warm start: cached {cache / key}", flush=True)
         return Policy(cache / key)
