@@ -3,11 +3,15 @@
 (a) our PTY session (sentinel framing, event loop), (b) the same bash under tmux driven with
 send-keys and capture-pane polling, as tmux-based agent runtimes do, (c) one
 ``apptainer exec instance://...`` per command, (d) a bare host PTY in a tight blocking loop
-(the floor). Then IPython execute over ipc and over tcp, and over ipc the same kernel driven by
-jupyter_client's ``BlockingKernelClient`` directly (``ipython_bare_p50_ms``: send the request, read
-iopub until the cell's idle status and its shell reply, in a tight blocking loop: the kernel's own
-floor), then a lease from the warm pool and a cold instance start. Every baseline is measured in
-this run: the ratios are what counts. Targets: ipc p50 <= 2 ms and <= 1.2x bare.
+(the floor). Then IPython execute over ipc and over tcp (``ipython_ipc_p50_ms``: our only
+client on its kernel, as in a rollout), and then that kernel driven by jupyter_client's
+``BlockingKernelClient`` directly (``ipython_bare_p50_ms``: send the request, read iopub until the
+cell's idle status and its shell reply, in a tight blocking loop: the kernel's own floor),
+interleaved with our client's cells on the same kernel (``ipython_ipc_paired_p50_ms``). A second
+client on a kernel slows the first one's cells (every iopub message goes to both: measured 1.35
+against 2.15 ms with a local kernel), so the ratio compares the paired figures. Then a lease from
+the warm pool and a cold instance start. Every baseline is measured in this run: the ratios are
+what counts. Targets: ipc p50 <= 2 ms, paired ipc <= 1.2x bare.
 """
 
 from __future__ import annotations
@@ -195,12 +199,12 @@ async def main() -> int:
         k_ours, k_bare = summary_ms(versus["ipc"]), summary_ms(versus["bare"])
         results.update(ipython_ipc_cpu_ms_per_cell=1e3 * statistics.fmean(versus["ipc_cpu"]),
                        ipython_bare_cpu_ms_per_cell=1e3 * statistics.fmean(versus["bare_cpu"]))
-        results.update(ipython_ipc_p50_ms=k_ours["p50_ms"], ipython_bare_p50_ms=k_bare["p50_ms"],
-                       ipython_tcp_p50_ms=k_tcp["p50_ms"], ipython_ipc_vs_tcp_p50_ms=k_ipc["p50_ms"])
+        results.update(ipython_ipc_p50_ms=k_ipc["p50_ms"], ipython_tcp_p50_ms=k_tcp["p50_ms"],
+                       ipython_ipc_paired_p50_ms=k_ours["p50_ms"], ipython_bare_p50_ms=k_bare["p50_ms"])
         print_table("IPython execute round trip (same instance)", ["path", "p50 ms", "p99 ms", "n"],
                     [["ipc (ours), interleaved with tcp", k_ipc["p50_ms"], k_ipc["p99_ms"], k_ipc["n"]],
                      ["tcp 127.0.0.1 (ours)", k_tcp["p50_ms"], k_tcp["p99_ms"], k_tcp["n"]],
-                     ["ipc (ours), interleaved with bare", k_ours["p50_ms"], k_ours["p99_ms"], k_ours["n"]],
+                     ["ipc (ours), jupyter_client on it too", k_ours["p50_ms"], k_ours["p99_ms"], k_ours["n"]],
                      ["same kernel, jupyter_client directly (floor)", k_bare["p50_ms"], k_bare["p99_ms"],
                       k_bare["n"]]])
         print(f"client process CPU per cell: ours {results['ipython_ipc_cpu_ms_per_cell']:.3f} ms, jupyter_client "
@@ -245,11 +249,11 @@ async def main() -> int:
         (f"exec/pty {results['exec_p50_ms'] / results['pty_p50_ms']:.1f}x >= 40x",
          results["exec_p50_ms"] >= 40 * results["pty_p50_ms"]),
         (f"lease_p50_ms {results['lease_p50_ms']:.2f} <= 5", results["lease_p50_ms"] <= 5),
-        (f"ipc {results['ipython_ipc_vs_tcp_p50_ms']:.2f} ms <= tcp {results['ipython_tcp_p50_ms']:.2f} ms",
-         results["ipython_ipc_vs_tcp_p50_ms"] <= results["ipython_tcp_p50_ms"]),
+        (f"ipc {results['ipython_ipc_p50_ms']:.2f} ms <= tcp {results['ipython_tcp_p50_ms']:.2f} ms",
+         results["ipython_ipc_p50_ms"] <= results["ipython_tcp_p50_ms"]),
         (f"ipython_ipc_p50_ms {results['ipython_ipc_p50_ms']:.2f} <= 2", results["ipython_ipc_p50_ms"] <= 2),
-        (f"ipc/bare {results['ipython_ipc_p50_ms'] / results['ipython_bare_p50_ms']:.2f}x <= 1.2x",
-         results["ipython_ipc_p50_ms"] <= 1.2 * results["ipython_bare_p50_ms"]),
+        (f"paired ipc/bare {results['ipython_ipc_paired_p50_ms'] / results['ipython_bare_p50_ms']:.2f}x <= 1.2x",
+         results["ipython_ipc_paired_p50_ms"] <= 1.2 * results["ipython_bare_p50_ms"]),
     ])
     return 0 if ok else 1
 
