@@ -250,7 +250,9 @@ def _trajectory(request_id: str, index: int, task: Task, args: RolloutArgs, outc
         response_ids=o.response_ids if o else empty_i,
         response_mask=o.response_mask if o else np.zeros(0, dtype=np.uint8),
         response_logprobs=o.response_logprobs if o else np.zeros(0, dtype=np.float32),
-        reward=float(evaluation.reward) if evaluation is not None and finish != "error" else 0.0,
+        # Only the model's outcomes are scored: the eval of a sample the task or a deadline ended
+        # (special_token, ...) still ran, but its reward is no score of the model.
+        reward=float(evaluation.reward) if evaluation is not None and ended == "model" else 0.0,
         finish_reason=finish,
         num_turns=o.num_turns if o else 0,
         turns=list(o.turns) if o else [],
