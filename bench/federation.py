@@ -23,7 +23,7 @@ from router_support import Federation, federation, free_port  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.daemon.curve import CurveClient, keygen  # noqa: E402
+from rolloutd.native_io.curve import CurveClient, keygen  # noqa: E402
 
 NODE = ("--backend", "local", "--workers", "1", "--warm", "0")
 OP, ARGS = "debug.sleep", {"seconds": 0.0}

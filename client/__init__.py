@@ -1,0 +1,127 @@
+"""What a trainer imports, in one place: the clients, the rollout request and result, the
+trajectory type, the wire results a sandbox call returns, and every error the daemon can answer
+with (each also inherits the matching builtin: ``except TimeoutError`` works).
+
+    from rolloutd.client import RolloutClient, RolloutRequest, Trajectory, SandboxLost
+
+The wire messages and errors live in the leaf layer ``rolloutd.native_io`` (the daemon speaks
+them too and never imports this package); this package is their public face.
+"""
+
+from rolloutd.client.async_client import (
+    AsyncRolloutClient,
+    AsyncSandbox,
+    Reply,
+    RolloutRequest,
+    RolloutResult,
+    default_address,
+)
+from rolloutd.client.sync_client import (
+    RolloutClient,
+    Sandbox,
+)
+from rolloutd.native_io.errors import (
+    AgentError,
+    BadRequest,
+    Busy,
+    Cancelled,
+    CommandTimeout,
+    ConfigError,
+    ContextLengthExceeded,
+    DaemonLost,
+    DaemonRunning,
+    DaemonUnavailable,
+    DuplicateRequest,
+    ImageError,
+    InferenceError,
+    InferenceProtocolError,
+    InferenceRejected,
+    InferenceTimeout,
+    KernelDied,
+    KernelError,
+    MessageTooLarge,
+    MissingDependency,
+    NoInferenceServer,
+    NodeLost,
+    NotFound,
+    OperationTimeout,
+    PermissionDenied,
+    RolloutdError,
+    SandboxError,
+    SandboxLimit,
+    SandboxLost,
+    SandboxStartError,
+    SessionError,
+    ShuttingDown,
+    TaskError,
+    ToolCallError,
+    UnsupportedVersion,
+    WorkerLost,
+)
+from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.trajectory import (
+    ToolStats,
+    Trajectory,
+    TurnRecord,
+)
+from rolloutd.native_io.wire import (
+    ExecuteResult,
+    MsgType,
+    RolloutArgs,
+    TaskRef,
+)
+
+__all__ = [
+    "AsyncRolloutClient",
+    "AsyncSandbox",
+    "RolloutRequest",
+    "RolloutResult",
+    "Reply",
+    "default_address",
+    "RolloutClient",
+    "Sandbox",
+    "RolloutdError",
+    "ConfigError",
+    "BadRequest",
+    "UnsupportedVersion",
+    "MessageTooLarge",
+    "DuplicateRequest",
+    "PermissionDenied",
+    "NotFound",
+    "MissingDependency",
+    "Busy",
+    "ShuttingDown",
+    "DaemonUnavailable",
+    "DaemonLost",
+    "DaemonRunning",
+    "WorkerLost",
+    "NodeLost",
+    "Cancelled",
+    "OperationTimeout",
+    "SandboxError",
+    "SandboxStartError",
+    "SandboxLost",
+    "SandboxLimit",
+    "ImageError",
+    "SessionError",
+    "CommandTimeout",
+    "KernelError",
+    "KernelDied",
+    "InferenceError",
+    "NoInferenceServer",
+    "InferenceProtocolError",
+    "InferenceTimeout",
+    "InferenceRejected",
+    "ContextLengthExceeded",
+    "TaskError",
+    "AgentError",
+    "ToolCallError",
+    "CommandResult",
+    "Trajectory",
+    "ToolStats",
+    "TurnRecord",
+    "ExecuteResult",
+    "RolloutArgs",
+    "TaskRef",
+    "MsgType",
+]

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from rolloutd.native_io import framing, shm
+from rolloutd.native_io.curve import HANDSHAKE_FAILURES, CurveClient, handshake_reason
 from rolloutd.native_io.errors import (
     Cancelled,
     DaemonLost,
@@ -31,11 +32,11 @@ from rolloutd.native_io.errors import (
     error_from_code,
 )
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.run_dir import default_run_dir
+from rolloutd.native_io.trajectory import Trajectory, unpack_batch
+from rolloutd.native_io.wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
-
-from .trajectory import Trajectory, unpack_batch
-from .wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
 
 DEFAULT_TIMEOUT_S = 600.0
 HEARTBEAT_IVL_MS = 2000
@@ -50,8 +51,6 @@ def default_address() -> str:
     explicit = os.environ.get("ROLLOUTD_ADDRESS")
     if explicit:
         return explicit
-    from rolloutd.daemon.config import default_run_dir
-
     return f"ipc://{default_run_dir() / 'node.sock'}"
 
 
@@ -120,7 +119,7 @@ class AsyncRolloutClient:
         self.timeout_s = timeout_s
         self.array_transport = ("shm" if self.address.startswith("ipc://") else "frames") if arrays == "auto" else arrays
         self._curve = curve
-        """Keys for a tcp:// address (``rolloutd.daemon.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
+        """Keys for a tcp:// address (``rolloutd.native_io.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
         self._ctx: zmq.Context[Any] | None = None
         self._sock: LoopSocket | None = None
         self._events: SocketEvents | None = None
@@ -138,8 +137,6 @@ class AsyncRolloutClient:
             return self
         check_ipc_reachable(self.address)
         if self._curve is None and self.address.startswith("tcp://"):
-            from rolloutd.daemon.curve import CurveClient
-
             self._curve = CurveClient.from_env()
         self._ctx = zmq.Context()
         sock = make_socket(self._ctx, zmq.DEALER, identity=uuid.uuid4().bytes)
@@ -147,8 +144,6 @@ class AsyncRolloutClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         events = zmq.EVENT_DISCONNECTED
         if self._curve is not None:
-            from rolloutd.daemon.curve import HANDSHAKE_FAILURES
-
             self._curve.apply_client(sock)
             events |= HANDSHAKE_FAILURES
         self._events = SocketEvents(sock, events, self._on_socket_event)
@@ -219,8 +214,6 @@ class AsyncRolloutClient:
                 f"heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:.0f} s) while this call was pending; its work is "
                 "lost. See `rolloutd node status` and the daemon's log, then submit again"))
             return
-        from rolloutd.daemon.curve import handshake_reason
-
         reason = handshake_reason(event)
         self._fail_pending(lambda: PermissionDenied(
             f"{self.address} refused this client: {reason}; its operator must add your public key "

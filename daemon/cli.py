@@ -162,7 +162,7 @@ def _add_router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .curve import keygen
+    from rolloutd.native_io.curve import keygen
 
     public, secret = keygen(Path(args.dir), args.name)
     print(f"public key {public}  (give it to the peers: their allowed-keys folder, or their server key)")

@@ -15,18 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolloutd.native_io.errors import BadRequest, ConfigError
-
-SOCKET_PATH_MAX = 100
-"""sun_path holds 108 bytes on Linux; keep a margin for suffixes."""
-
-
-def default_run_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/rolloutd`` when that exists and is ours, else ``/tmp/rolloutd-$UID``."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
-        return Path(xdg) / "rolloutd"
-    return Path(f"/tmp/rolloutd-{os.getuid()}")
-
+from rolloutd.native_io.run_dir import SOCKET_PATH_MAX, default_run_dir
+from rolloutd.native_io.wire import from_fields
 
 @dataclass
 class NodeConfig:
@@ -186,8 +176,6 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
 
     ``config_cls`` is NodeConfig, or another config dataclass (the router's, with its own prefix).
     """
-    from rolloutd.client.wire import from_fields
-
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     path = path or env.get(f"{env_prefix}CONFIG")

@@ -27,8 +27,8 @@ import numpy as np
 
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.client.trajectory import Trajectory, pack_batch
 from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.trajectory import Trajectory, pack_batch
 
 from .sandbox.apptainer import apptainer_available
 from .tasks.datasets import _bundled_records, oracle_plans

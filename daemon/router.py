@@ -34,20 +34,8 @@ from typing import Any
 
 import zmq
 
-from rolloutd.client.wire import (
-    BROADCAST_OPS,
-    CLIENT_TYPES,
-    MsgType,
-    NodeBye,
-    NodeHeartbeat,
-    NodeRegister,
-    RouterPing,
-    RouterUnknown,
-    RouterWelcome,
-    node_message,
-    parse_node_message,
-)
 from rolloutd.native_io import framing
+from rolloutd.native_io.curve import CurveServer
 from rolloutd.native_io.errors import (
     BadRequest,
     Busy,
@@ -60,10 +48,22 @@ from rolloutd.native_io.errors import (
     SandboxLost,
     ShuttingDown,
 )
+from rolloutd.native_io.wire import (
+    BROADCAST_OPS,
+    CLIENT_TYPES,
+    MsgType,
+    NodeBye,
+    NodeHeartbeat,
+    NodeRegister,
+    RouterPing,
+    RouterUnknown,
+    RouterWelcome,
+    node_message,
+    parse_node_message,
+)
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
-from .curve import CurveServer
 from .router_broadcast import REPLAY_PREFIX, TYPE_ERROR, Broadcast, BroadcastOps, InferenceSetup, as_bytes
 from .router_config import RouterConfig
 from .router_dispatch import Hints, NodeEntry, pick_node, routing_hints

@@ -13,9 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rolloutd.client.wire import CLIENT_TYPES, FINAL_TYPES, MsgType
 from rolloutd.native_io import framing
 from rolloutd.native_io.errors import NodeLost, RolloutdError
+from rolloutd.native_io.wire import CLIENT_TYPES, FINAL_TYPES, MsgType
 
 if TYPE_CHECKING:
     from .router import Pending

@@ -28,7 +28,10 @@ from typing import Any
 
 import zmq
 
-from rolloutd.client.wire import (
+from rolloutd.native_io import framing
+from rolloutd.native_io.curve import CurveClient, watch_handshakes
+from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.wire import (
     MsgType,
     NodeBye,
     NodeCapacity,
@@ -39,13 +42,10 @@ from rolloutd.client.wire import (
     node_message,
     parse_node_message,
 )
-from rolloutd.native_io import framing
-from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import make_socket
 
 from .config import NodeConfig
-from .curve import CurveClient, watch_handshakes
 from .run_lock import running_pid
 
 log = logging.getLogger(__name__)

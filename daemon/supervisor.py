@@ -30,15 +30,6 @@ from typing import Any
 import psutil
 import zmq
 
-from rolloutd.client.wire import (
-    BROADCAST_OPS,
-    CLIENT_TYPES,
-    FINAL_TYPES,
-    PINNED_OPS,
-    WORKER_TYPES,
-    MsgType,
-    parse_args,
-)
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import (
     BadRequest,
@@ -53,6 +44,15 @@ from rolloutd.native_io.errors import (
 )
 from rolloutd.native_io.procfs import CENSUS_INTERVAL_S, CENSUSES, pid_alive
 from rolloutd.native_io.unix_link import UnixLink
+from rolloutd.native_io.wire import (
+    BROADCAST_OPS,
+    CLIENT_TYPES,
+    FINAL_TYPES,
+    PINNED_OPS,
+    WORKER_TYPES,
+    MsgType,
+    parse_args,
+)
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
@@ -178,7 +178,7 @@ class Supervisor:
                 bind_private_ipc(public, self.config.socket_path)
                 self.public = LoopSocket(public, lambda f: self._on_client_message(self.public, f, False))
                 if self.config.tcp_bind:
-                    from .curve import bind_curve_router
+                    from rolloutd.native_io.curve import bind_curve_router
 
                     tcp, self.curve = bind_curve_router(self.ctx, self.config)
                     self.tcp = LoopSocket(tcp, lambda f: self._on_client_message(self.tcp, f, True))

@@ -27,8 +27,11 @@ import numpy as np
 import psutil
 import uvloop
 
-from rolloutd.client.trajectory import pack_batch
-from rolloutd.client.wire import (
+from rolloutd.native_io import framing, shm
+from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
+from rolloutd.native_io.trajectory import pack_batch
+from rolloutd.native_io.unix_link import UnixLink
+from rolloutd.native_io.wire import (
     MakeArraysArgs,
     PINNED_OPS,
     MsgType,
@@ -41,9 +44,6 @@ from rolloutd.client.wire import (
     parse_args,
     to_fields,
 )
-from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
-from rolloutd.native_io.unix_link import UnixLink
 
 from .config import NodeConfig
 from .pipeline.rollout import PipelineLimits, RolloutPipeline

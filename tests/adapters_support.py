@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from rolloutd.client.trajectory import ToolStats, Trajectory, TurnRecord
+from rolloutd.native_io.trajectory import ToolStats, Trajectory, TurnRecord
 
 Run = tuple[int, list[int]]
 """(mask value, token ids) of one stretch of the response."""

@@ -17,8 +17,8 @@ from daemon_fixtures import router_daemon, start_nodes, stop_node
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.config import NodeConfig
 from rolloutd.daemon.sandbox_user import workers_dir
-from rolloutd.client.wire import MsgType
 from rolloutd.native_io import framing
+from rolloutd.native_io.wire import MsgType
 
 NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2")
 FAST_HEARTBEATS = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0")

@@ -21,12 +21,12 @@ from openai_proxy_support import (
     sandbox_binds,
 )
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.wire import RolloutArgs, TaskRef
 from rolloutd.daemon.inference import ServerPool
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.native_io.wire import RolloutArgs, TaskRef
 
 TASK = {"type": "command", "instance_id": "oa-pipe-001",
         "problem_statement": "value.py sets x to 1; it must be 2.",

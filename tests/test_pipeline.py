@@ -14,8 +14,6 @@ import numpy as np
 import psutil
 import pytest
 
-from rolloutd.client.trajectory import Trajectory
-from rolloutd.client.wire import RolloutArgs, TaskRef
 from rolloutd.daemon.inference import ServerPool
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.policy.model import default_model
@@ -25,6 +23,8 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
 from rolloutd.native_io.errors import BadRequest, Busy
+from rolloutd.native_io.trajectory import Trajectory
+from rolloutd.native_io.wire import RolloutArgs, TaskRef
 
 API_KEY = "test-key"
 

@@ -32,8 +32,8 @@ from rolloutd.client.adapters.common import (
     to_tensor,
     trainer_module,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest
+from rolloutd.native_io.trajectory import Trajectory
 
 BATCH_MODULE = "nemo_rl.distributed.batched_data_dict"
 PACKAGE = "nemo-rl"

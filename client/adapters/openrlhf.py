@@ -35,8 +35,8 @@ from rolloutd.client.adapters.common import (
     to_tensor,
     trainer_module,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest, ConfigError
+from rolloutd.native_io.trajectory import Trajectory
 
 EXPERIENCE_MODULE = "openrlhf.trainer.ppo_utils.experience"
 PACKAGE = "openrlhf"

@@ -26,7 +26,7 @@ from rolloutd.client.adapters.common import (
     trained_mask,
     trainer_module,
 )
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.native_io.trajectory import Trajectory
 
 GENERATOR_MODULE = "skyrl.train.generators.base"
 PACKAGE = "skyrl"

@@ -33,8 +33,8 @@ from rolloutd.client.adapters.common import (
     tensors,
     trainer_module,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.trajectory import Trajectory
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 PROTOCOL_MODULE = "verl.protocol"

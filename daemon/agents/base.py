@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
-from rolloutd.client.trajectory import ToolStats, TurnRecord
-from rolloutd.client.wire import ExecuteResult
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.trajectory import ToolStats, TurnRecord
+from rolloutd.native_io.wire import ExecuteResult
 
 TEMPLATE_CHECKS = ("every_turn", "final", "off")
 AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled"})

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rolloutd.client.trajectory import ToolStats, TurnRecord
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import AgentError, ConfigError
+from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
 

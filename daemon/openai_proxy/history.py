@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.client.trajectory import TurnRecord
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
+from rolloutd.native_io.trajectory import TurnRecord
 
 from .protocol import ChatMessage, ChatRequest, parse_reply
 
