@@ -40,9 +40,9 @@ from router_support import RawTrainer  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.daemon.config import NodeConfig  # noqa: E402
-from rolloutd.daemon.run_lock import running_pid  # noqa: E402
-from rolloutd.daemon.sandbox_user import workers_dir  # noqa: E402
+from rolloutd.daemon.node.config import NodeConfig  # noqa: E402
+from rolloutd.cli.run_lock import running_pid  # noqa: E402
+from rolloutd.daemon.node.sandbox_user import workers_dir  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 from rolloutd.native_io import shm  # noqa: E402
 from rolloutd.native_io.errors import DaemonLost  # noqa: E402

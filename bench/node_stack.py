@@ -14,9 +14,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from router_support import free_port  # noqa: E402
 
-from rolloutd.daemon.demo import policy_server  # noqa: E402
+from rolloutd.cli.demo import policy_server  # noqa: E402
 
-CLI = [sys.executable, "-m", "rolloutd.daemon.cli", "node"]
+CLI = [sys.executable, "-m", "rolloutd.cli.main", "node"]
 NODE_ARGS = ["--backend", "apptainer", "--workers", "2", "--warm", "2"]
 
 

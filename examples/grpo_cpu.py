@@ -45,7 +45,7 @@ import torch
 
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.daemon.demo import node_daemon, policy_server
+from rolloutd.cli.demo import node_daemon, policy_server
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.sandbox.apptainer import apptainer_available
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans

@@ -16,7 +16,7 @@ import psutil
 from rolloutd.native_io import shm
 
 
-CLI = [sys.executable, "-m", "rolloutd.daemon.cli"]
+CLI = [sys.executable, "-m", "rolloutd.cli.main"]
 
 
 @contextmanager

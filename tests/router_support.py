@@ -15,8 +15,8 @@ import zmq
 
 from daemon_fixtures import router_daemon, start_nodes, stop_node
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.daemon.config import NodeConfig
-from rolloutd.daemon.sandbox_user import workers_dir
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io import framing
 from rolloutd.native_io.wire import MsgType
 

@@ -246,7 +246,7 @@ def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
     address, url = stack
     token_file = short_tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    cmd = [sys.executable, "-m", "rolloutd.daemon.cli", "gateway", "--token-file", str(token_file), "--address", address]
+    cmd = [sys.executable, "-m", "rolloutd.cli.main", "gateway", "--token-file", str(token_file), "--address", address]
     refused = subprocess.run([*cmd, "--bind", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "not a loopback address" in refused.stderr and "--allow-remote" in refused.stderr
     no_token = subprocess.run([*cmd[:4], "--address", address, "--bind", "127.0.0.1:0"], capture_output=True,

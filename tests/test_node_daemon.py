@@ -19,9 +19,9 @@ from daemon_fixtures import CLI, daemon_processes, node_daemon
 from privilege_probe import PROBE, assert_unprivileged
 from rolloutd.client.async_client import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.daemon.config import NodeConfig
-from rolloutd.daemon.run_lock import running_pid
-from rolloutd.daemon.sandbox_user import workers_dir
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.cli.run_lock import running_pid
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io.errors import (
     CommandTimeout,
     DaemonLost,
@@ -37,12 +37,12 @@ def test_start_status_stop(short_tmp: Path) -> None:
         assert address == f"ipc://{short_tmp}/node.sock"
         assert (short_tmp.stat().st_mode & 0o777) == 0o700
         assert ((short_tmp / "node.sock").stat().st_mode & 0o777) == 0o600
-        out = subprocess.run([sys.executable, "-m", "rolloutd.daemon.cli", "node", "status", "--run-dir",
+        out = subprocess.run([sys.executable, "-m", "rolloutd.cli.main", "node", "status", "--run-dir",
                               str(short_tmp), "--json"], capture_output=True, text=True, check=True)
         st = json.loads(out.stdout)
         assert len(st["workers"]) == 2 and all(w["ready"] for w in st["workers"])
         assert st["memory_rss_bytes"] > 0 and "sandboxes" in st
-        again = subprocess.run([sys.executable, "-m", "rolloutd.daemon.cli", "node", "start", "--detach",
+        again = subprocess.run([sys.executable, "-m", "rolloutd.cli.main", "node", "start", "--detach",
                                 "--run-dir", str(short_tmp)], capture_output=True, text=True)
         assert again.returncode != 0 and "already running" in again.stderr
 

@@ -30,7 +30,7 @@ API_KEY = "daemon-test-key"
 def policy(plans: dict[str, list[str]], tmp: Path) -> Iterator[str]:
     plans_file = tmp / "plans.json"
     plans_file.write_text(json.dumps({"plans": plans}))
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.daemon.cli", "policy-server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli.main", "policy-server", "--port", "0",
                              "--scripted", str(plans_file)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY})
     assert proc.stdout is not None

@@ -22,7 +22,7 @@ from daemon_fixtures import CLI, start_nodes, start_router, stop_node, stop_rout
 from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation, free_port
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.daemon.router_dispatch import Hints, NodeEntry, pick_node, routing_hints
+from rolloutd.daemon.router.dispatch import Hints, NodeEntry, pick_node, routing_hints
 from rolloutd.native_io.curve import CurveClient
 from rolloutd.native_io.errors import BadRequest, ConfigError, PermissionDenied, SandboxLost
 from rolloutd.native_io.wire import MsgType, NodeCapacity

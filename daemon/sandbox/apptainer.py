@@ -3,7 +3,7 @@
 - Rootless: started by an ordinary user, an instance lives in a user namespace that user owns,
   with no capability on the host. As root no flag gives that (under ``--userns`` container root
   is still host root), so the node daemon never starts sandboxes as root: its workers run as
-  ``sandbox_user`` (:mod:`rolloutd.daemon.sandbox_user`). Used directly as root (tests, a
+  ``sandbox_user`` (:mod:`rolloutd.daemon.node.sandbox_user`). Used directly as root (tests, a
   library caller), this backend adds ``--userns``, which the default mode needs on machines that
   withhold a capability, and warns that its sandboxes are not contained.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional

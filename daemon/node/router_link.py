@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import socket
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.native_io import framing
 from rolloutd.native_io.curve import CurveClient, watch_handshakes
 from rolloutd.native_io.errors import RolloutdError
@@ -44,9 +44,6 @@ from rolloutd.native_io.wire import (
 )
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import make_socket
-
-from .config import NodeConfig
-from .run_lock import running_pid
 
 log = logging.getLogger(__name__)
 
@@ -225,36 +222,3 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
         return None
     return state if isinstance(state, dict) else None
 
-
-def drain_node(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
-    """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    pid = running_pid(config.run_path, "node")
-    state = read_state(config.run_path)
-    if pid is None:
-        raise RolloutdError(f"no node daemon running for {config.run_path}")
-    if state is None or state.get("pid") != pid:
-        raise RolloutdError(f"the node daemon (pid {pid}) has no router link; it was started without --router")
-    os.kill(pid, RESUME_SIGNAL if resume else DRAIN_SIGNAL)
-    deadline = time.monotonic() + 10.0
-    while (state or {}).get("draining") != (not resume):
-        if time.monotonic() > deadline:
-            raise RolloutdError(f"node pid {pid} did not confirm within 10 s; see its log")
-        time.sleep(0.05)
-        state = read_state(config.run_path)
-    print(f"node {state['identity'] if state else pid} {'takes work again' if resume else 'is draining'}")
-    if resume or wait_s <= 0:
-        return 0
-    from rolloutd.client.sync_client import RolloutClient
-
-    deadline = time.monotonic() + wait_s
-    with RolloutClient(config.address, timeout_s=10.0) as client:
-        while True:
-            st = client.status()
-            if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
-                print("drained: no request in flight, no sandbox leased")
-                return 0
-            if time.monotonic() > deadline:
-                print(f"still busy after {wait_s} s: {st['in_flight']} request(s), "
-                      f"{st['sandboxes']['leased']} sandbox(es) leased", file=sys.stderr)
-                return 1
-            time.sleep(0.2)

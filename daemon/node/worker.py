@@ -27,6 +27,11 @@ import numpy as np
 import psutil
 import uvloop
 
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
+from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.daemon.sandbox.select import make_backend
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
 from rolloutd.native_io.trajectory import pack_batch
@@ -44,13 +49,6 @@ from rolloutd.native_io.wire import (
     parse_args,
     to_fields,
 )
-
-from .config import NodeConfig
-from .pipeline.rollout import PipelineLimits, RolloutPipeline
-
-from .sandbox.base import SandboxBackend, SandboxSpec
-from .sandbox.pool import WarmPool
-from .sandbox.select import make_backend
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +100,8 @@ class Worker:
             self.link.send(framing.encode(msg_type, header, buffers))
 
     async def _start_pipeline(self) -> None:
-        from .inference import ServerPool
-        from .policy.tokenizer import load_tokenizer
+        from rolloutd.daemon.inference import ServerPool
+        from rolloutd.daemon.policy.tokenizer import load_tokenizer
 
         cfg = self.config
         share = max(1, cfg.worker_count)

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import lifecycle
-from .lifecycle import DaemonProcess
-from .router import Router
-from .router_config import RouterConfig
-from .run_lock import running_pid
+from rolloutd.cli import lifecycle
+from rolloutd.cli.lifecycle import DaemonProcess
+from rolloutd.cli.run_lock import running_pid
+from rolloutd.daemon.router.config import RouterConfig
+from rolloutd.daemon.router.router import Router
 
 CONFIG_ENV = "ROLLOUTD_ROUTER_CONFIG_JSON"
 

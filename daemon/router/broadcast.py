@@ -18,8 +18,8 @@ from rolloutd.native_io.errors import NodeLost, RolloutdError
 from rolloutd.native_io.wire import CLIENT_TYPES, FINAL_TYPES, MsgType
 
 if TYPE_CHECKING:
-    from .router import Pending
-    from .router_dispatch import NodeEntry
+    from rolloutd.daemon.router.router import Pending
+    from rolloutd.daemon.router.dispatch import NodeEntry
 
 log = logging.getLogger(__name__)
 TYPE_REPLY = bytes((MsgType.REPLY,))

@@ -20,11 +20,10 @@ import signal
 import sys
 from pathlib import Path
 
+from rolloutd.daemon.inference.engine_client import SPEC_PREFIX
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_user import SandboxUser
 from rolloutd.native_io.errors import ConfigError, InferenceError
-
-from .config import NodeConfig
-from .inference.engine_client import SPEC_PREFIX
-from .sandbox_user import SandboxUser
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class NodeEngines:
     def _python(self) -> str:
         if importlib.util.find_spec("vllm") is not None:
             return sys.executable
-        from .inference.vllm_server import vllm_python
+        from rolloutd.daemon.inference.vllm_server import vllm_python
 
         return vllm_python()
 

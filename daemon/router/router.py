@@ -34,6 +34,10 @@ from typing import Any
 
 import zmq
 
+from rolloutd.daemon.node.supervisor import MAX_ID_LEN, _salvage_id
+from rolloutd.daemon.router.broadcast import REPLAY_PREFIX, TYPE_ERROR, Broadcast, BroadcastOps, InferenceSetup, as_bytes
+from rolloutd.daemon.router.config import RouterConfig
+from rolloutd.daemon.router.dispatch import Hints, NodeEntry, pick_node, routing_hints
 from rolloutd.native_io import framing
 from rolloutd.native_io.curve import CurveServer
 from rolloutd.native_io.errors import (
@@ -63,11 +67,6 @@ from rolloutd.native_io.wire import (
 )
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
-
-from .router_broadcast import REPLAY_PREFIX, TYPE_ERROR, Broadcast, BroadcastOps, InferenceSetup, as_bytes
-from .router_config import RouterConfig
-from .router_dispatch import Hints, NodeEntry, pick_node, routing_hints
-from .supervisor import MAX_ID_LEN, _salvage_id
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,12 @@ from typing import Any
 import psutil
 import zmq
 
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.engines import NodeEngines
+from rolloutd.daemon.node.reaper import reap_state_dir
+from rolloutd.daemon.node.sandbox_user import own_folder, prepare_workers_dir, sandbox_user, workers_dir
+from rolloutd.daemon.sandbox.apptainer import apptainer_available
+from rolloutd.daemon.sandbox.images import cache_dir, resolve_image
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import (
     BadRequest,
@@ -55,13 +61,6 @@ from rolloutd.native_io.wire import (
 )
 from rolloutd.native_io.zmq_loop import LoopSocket
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
-
-from .config import NodeConfig
-from .node_engines import NodeEngines
-from .reaper import reap_state_dir
-from .sandbox.apptainer import apptainer_available
-from .sandbox.images import cache_dir, resolve_image
-from .sandbox_user import own_folder, prepare_workers_dir, sandbox_user, workers_dir
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class Supervisor:
         self.extensions: list[Any] = []
         """Objects with async ``start(supervisor)``/``stop()`` (e.g. the router membership)."""
         if config.router:
-            from .router_link import RouterLink
+            from rolloutd.daemon.node.router_link import RouterLink
 
             self.extensions.append(RouterLink(config))
         self.sandbox_user = sandbox_user(config)
@@ -260,7 +259,7 @@ class Supervisor:
         images = cache_dir() / "images"
         probe = await asyncio.create_subprocess_exec(
             *self._as_workers_user([
-                sys.executable, "-c", "import os, sys, rolloutd.daemon.worker; sys.argv[1] and os.listdir(sys.argv[1])",
+                sys.executable, "-c", "import os, sys, rolloutd.daemon.node.worker; sys.argv[1] and os.listdir(sys.argv[1])",
                 str(images) if images.is_dir() else ""]),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd="/")
         _, err = await asyncio.wait_for(probe.communicate(), 120)
@@ -287,7 +286,7 @@ class Supervisor:
             try:
                 w.proc = await asyncio.create_subprocess_exec(
                     *self._as_workers_user([
-                        sys.executable, "-m", "rolloutd.daemon.worker", "--index", str(w.index),
+                        sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
                         "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
                         "--state-dir", str(state), "--shm-prefix", self._worker_shm_prefix(w)]),
                     env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),), cwd="/",

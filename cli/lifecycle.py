@@ -24,9 +24,8 @@ from typing import Any
 import psutil
 import uvloop
 
+from rolloutd.cli.run_lock import RunFolderLock, running_pid
 from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, RolloutdError
-
-from .run_lock import RunFolderLock, running_pid
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -85,7 +84,7 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
     env.setdefault("PATH", DEFAULT_PATH)
     with out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.daemon.cli", d.command, "start", "--pidfile", str(d.pidfile),
+            [sys.executable, "-m", "rolloutd.cli.main", d.command, "start", "--pidfile", str(d.pidfile),
              "--config-from-env"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, close_fds=True,
         )
