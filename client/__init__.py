@@ -68,6 +68,7 @@ from rolloutd.native_io.wire import (
     ExecuteResult,
     MsgType,
     RolloutArgs,
+    RolloutOptions,
     TaskRef,
 )
 
@@ -122,6 +123,7 @@ __all__ = [
     "TurnRecord",
     "ExecuteResult",
     "RolloutArgs",
+    "RolloutOptions",
     "TaskRef",
     "MsgType",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import uuid
@@ -34,7 +35,15 @@ from rolloutd.native_io.errors import (
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.run_dir import default_run_dir
 from rolloutd.native_io.trajectory import Trajectory, unpack_batch
-from rolloutd.native_io.wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
+from rolloutd.native_io.wire import (
+    ExecuteResult,
+    MsgType,
+    RolloutArgs,
+    RolloutOptions,
+    SandboxOpenArgs,
+    TaskRef,
+    to_fields,
+)
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
 
@@ -54,33 +63,20 @@ def default_address() -> str:
     return f"ipc://{default_run_dir() / 'node.sock'}"
 
 
-@dataclass
-class RolloutRequest:
-    """One task to roll out ``n`` times; see ``wire.RolloutArgs`` for every field's meaning."""
+@dataclass(kw_only=True)
+class RolloutRequest(RolloutOptions):
+    """One task to roll out ``n`` times: ``task_id`` from ``dataset``, or a full ``task`` record;
+    every other field (and its default) is ``wire.RolloutOptions``'s."""
 
     task_id: str = ""
     dataset: str = "bundled"
     task: dict[str, Any] | None = None
     """A full inline task record instead of ``task_id``/``dataset``."""
-    n: int = 1
-    agent: str = "codeact"
-    agent_config: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 1800.0
-    init_timeout_s: float = 600.0
-    run_timeout_s: float = 1800.0
-    eval_timeout_s: float = 600.0
-    priority: int = 0
-    network: bool = False
-    ipython: bool = True
-    infra_retries: int = 1
     request_id: str | None = None
 
     def to_args(self) -> dict[str, Any]:
-        args = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **{
-            k: getattr(self, k) for k in ("n", "agent", "agent_config", "sampling", "timeout_s", "init_timeout_s",
-                                          "run_timeout_s", "eval_timeout_s", "priority", "network", "ipython",
-                                          "infra_retries")}))
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutOptions)}
+        args: dict[str, Any] = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **options))
         return args
 
 

@@ -51,6 +51,15 @@ from rolloutd.native_io.errors import (
 
 logger = logging.getLogger(__name__)
 
+ABORT_TIMEOUT_S = 10.0
+"""How long a removed server's aborted calls may take to stop before it is closed anyway."""
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (by its caller or a timeout)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
 
 @dataclass(eq=False)
 class _Server:
@@ -65,8 +74,9 @@ class _Server:
     slow_probes: int = 0
     """Slow health probes in a row since a call last completed here."""
     weight_version: str = ""
-    calls: dict[str, asyncio.Task[object]] = field(default_factory=dict)
-    """Request id -> the task waiting on it (cancelled to move the turn when the server goes)."""
+    calls: dict[str, asyncio.Task[GenerateResult]] = field(default_factory=dict)
+    """Request id -> its call, a task of its own: cancelling it aborts the call on the server
+    (:meth:`ServerPool.remove_server`) and never touches the turn that waits on it."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -105,7 +115,6 @@ class ServerPool:
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._moving: set[asyncio.Task[object]] = set()
         self._health_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -146,7 +155,8 @@ class ServerPool:
 
     async def remove_server(self, address: str, *, drain_timeout_s: float = 0.0) -> None:
         """Stop sending calls to ``address``; calls still running there after
-        ``drain_timeout_s`` are cancelled and started again on other servers; then close it."""
+        ``drain_timeout_s`` are aborted and their turns started again on other servers (the
+        turns' own tasks go on undisturbed); then close it."""
         server = self._servers.get(address)
         if server is None:
             raise NotFound(f"{address} is not in the pool (servers: {sorted(self._servers)})")
@@ -160,15 +170,15 @@ class ServerPool:
             except TimeoutError:
                 logger.info("%s still has %d calls after %.1fs of draining; moving them", address,
                             server.in_flight, drain_timeout_s)
-        for task in server.calls.values():
-            self._moving.add(task)
-            task.cancel(f"rolloutd: inference server {address} was removed from the pool")
+        for call in server.calls.values():
+            call.cancel(f"rolloutd: inference server {address} was removed from the pool")
         if server.in_flight:
             try:
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
                     await server.idle.wait()
             except TimeoutError:
-                logger.warning("%d calls on removed server %s did not stop within 10s", server.in_flight, address)
+                logger.warning("%d calls on removed server %s did not stop within %gs (ABORT_TIMEOUT_S)",
+                               server.in_flight, address, ABORT_TIMEOUT_S)
         del self._servers[address]
         await server.backend.close()
         logger.info("removed %s (%d servers left)", address, len(self._servers))
@@ -201,8 +211,6 @@ class ServerPool:
                        trajectory_id: str, timeout_s: float, request_id: str | None = None) -> GenerateResult:
         """One turn of ``trajectory_id``; ``timeout_s`` is the deadline for all attempts."""
         loop = asyncio.get_running_loop()
-        current = asyncio.current_task()
-        assert current is not None
         deadline = loop.time() + timeout_s
         base_id = request_id or f"{trajectory_id}-{uuid.uuid4().hex[:12]}"
         if not self._resumed.is_set():
@@ -222,16 +230,18 @@ class ServerPool:
                                        f"{attempt} attempt(s); raise timeout_s")
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
             attempt += 1
-            server.calls[rid] = current
+            call = loop.create_task(server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining),
+                                    name=f"inference-{rid}")
+            server.calls[rid] = call
             server.in_flight += 1
             server.dispatched += 1
             server.idle.clear()
             try:
-                # Awaited in this task (no extra task per call): remove_server cancels this task
-                # and the handler below tells its cancel from the caller's by _moving/uncancel.
-                result = await server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining)
+                # Awaiting the call: a cancel of this turn reaches the call and waits for its abort.
+                result = await call
             except asyncio.CancelledError:
-                if current in self._moving and current.uncancel() == 0:
+                if server.removed and call.cancelled() and not _cancelling():
+                    # remove_server aborted the call, not the turn's caller: the turn moves.
                     logger.info("turn %s moved off removed server %s", rid, server.address)
                     self._sticky.pop(trajectory_id, None)
                     continue
@@ -244,7 +254,6 @@ class ServerPool:
                 failures.append(e)
                 continue
             finally:
-                self._moving.discard(current)
                 del server.calls[rid]
                 server.in_flight -= 1
                 if server.in_flight == 0:

@@ -10,61 +10,22 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+from rolloutd.daemon.common.request_book import as_bytes
+from rolloutd.daemon.router.dispatch import NodeEntry
+from rolloutd.daemon.router.nodes import NodeTable
+from rolloutd.daemon.router.requests import Broadcast, Pending
 from rolloutd.native_io import framing
-from rolloutd.native_io.errors import NodeLost, RolloutdError
+from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.wire import CLIENT_TYPES, FINAL_TYPES, MsgType
-
-if TYPE_CHECKING:
-    from rolloutd.daemon.router.router import Pending
-    from rolloutd.daemon.router.dispatch import NodeEntry
 
 log = logging.getLogger(__name__)
 TYPE_REPLY = bytes((MsgType.REPLY,))
-TYPE_ERROR = bytes((MsgType.ERROR,))
 
 REPLAY_PREFIX = b"\x00replay:"
 """Envelope of a replayed op: its answer is not for any trainer."""
-
-
-@dataclass
-class Broadcast:
-    """One broadcast request's answers, per node identity (None until it came)."""
-
-    answers: dict[bytes, dict[str, Any] | None]
-    names: dict[bytes, str]
-    lost: dict[str, str] = field(default_factory=dict)
-    """Names of nodes that went away before answering -> why (they get the replay if they return)."""
-
-    def answer(self, node_id: bytes, header: dict[str, Any]) -> None:
-        if node_id in self.answers:
-            self.answers[node_id] = header
-
-    def drop(self, node_id: bytes, reason: str) -> None:
-        """The node went away: wait no more for its answer."""
-        if node_id in self.answers and self.answers[node_id] is None:
-            del self.answers[node_id]
-            self.lost[self.names[node_id]] = reason
-
-    @property
-    def complete(self) -> bool:
-        return all(h is not None for h in self.answers.values())
-
-    def final(self, rid: str) -> list[bytes]:
-        """The one answer: the first node's error if any failed, else every node's result."""
-        done = {self.names[nid]: h for nid, h in self.answers.items() if h is not None}
-        failed = [(name, h) for name, h in done.items() if "code" in h]
-        if failed:
-            name, h = failed[0]
-            return framing.encode(MsgType.ERROR, {"id": rid, "code": h["code"], "details": {"node": name},
-                                                  "message": f"node {name}: {h.get('message', '')}"})
-        if not done:
-            e = NodeLost(f"every node went away before applying it ({self.lost}); it will be applied when they join")
-            return framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": {}})
-        result = {"nodes": {name: h.get("result") for name, h in done.items()}, "lost": self.lost}
-        return framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": []})
 
 
 class InferenceSetup:
@@ -89,38 +50,34 @@ class InferenceSetup:
         return len(self._ops)
 
 
-class BroadcastOps:
-    """The router's handling of broadcast ops (a part of ``Router``, kept here to keep it short)."""
+class Broadcasts:
+    """The router's handling of broadcast ops: sent to every node, answered once all have."""
 
-    nodes: dict[bytes, NodeEntry]
-    pending: dict[str, Pending]
-    inference: InferenceSetup
+    def __init__(self, table: NodeTable, send_raw: Callable[[bytes, bytes, list[Any]], bool],
+                 deliver: Callable[[Pending, list[Any]], None], node_lost: Callable[[NodeEntry, str], None]) -> None:
+        self.table = table
+        self.setup = InferenceSetup()
+        self._send_raw = send_raw
+        self._deliver = deliver
+        self._node_lost = node_lost
 
-    def _send_raw(self, node_id: bytes, envelope: bytes, frames: list[Any]) -> bool:
-        raise NotImplementedError
-
-    def _node_lost(self, node: NodeEntry, reason: str) -> None:
-        raise NotImplementedError
-
-    def _deliver(self, p: Pending, frames: list[Any]) -> None:
-        raise NotImplementedError
-
-    def _broadcast(self, p: Pending) -> None:
-        if not self.nodes:
+    def start(self, p: Pending) -> None:
+        if not self.table:
             # Nothing to apply it to yet: every node that joins gets it first thing.
-            self.inference.record(p.op, _args(p.frames), p.frames)
+            self.setup.record(p.op, _args(p.frames), p.frames)
             self._deliver(p, framing.encode(MsgType.REPLY, {"id": p.rid, "refs": [], "result": {
                 "nodes": {}, "lost": {}, "note": "no node has joined yet; every node that joins applies it"}}))
             return
-        p.broadcast = Broadcast({nid: None for nid in self.nodes}, {nid: n.name for nid, n in self.nodes.items()})
-        for node in list(self.nodes.values()):
+        nodes = list(self.table)
+        broadcast = p.broadcast = Broadcast({n.identity: None for n in nodes}, {n.identity: n.name for n in nodes})
+        for node in nodes:
             node.take(p.rid, 0)
             if not self._send_raw(node.identity, p.rid.encode(), p.frames):
-                self._node_lost(node, "unreachable")
-        if p.rid in self.pending and p.broadcast.complete:
-            self._finish_broadcast(p)
+                self._node_lost(node, "unreachable")  # which may finish it (see node_gone)
+        if p.broadcast is broadcast and broadcast.complete:
+            self._finish(p)
 
-    def _broadcast_answer(self, node: NodeEntry, p: Pending, answer: list[Any]) -> None:
+    def answer(self, node: NodeEntry, p: Pending, answer: list[Any]) -> None:
         assert p.broadcast is not None
         node.last_seen = time.monotonic()
         node.finish(p.rid)
@@ -130,19 +87,33 @@ class BroadcastOps:
             header = {"code": e.code, "message": f"undecodable answer: {e}"}
         p.broadcast.answer(node.identity, header)
         if p.broadcast.complete:
-            self._finish_broadcast(p)
+            self._finish(p)
 
-    def _finish_broadcast(self, p: Pending) -> None:
+    def node_gone(self, node: NodeEntry, p: Pending, reason: str) -> None:
+        """The node went away before it answered ``p``: wait no more for it."""
+        assert p.broadcast is not None
+        p.broadcast.drop(node.identity, reason)
+        if p.broadcast.complete:
+            self._finish(p)
+
+    def replay_to(self, node_id: bytes) -> None:
+        """A node that joins gets the set-up the others have, before any request, in order."""
+        for envelope, frames in self.setup.replay():
+            self._send_raw(node_id, envelope, frames)
+
+    def _finish(self, p: Pending) -> None:
         assert p.broadcast is not None
         answer = p.broadcast.final(p.rid)
         if answer[0] == TYPE_REPLY:
-            self.inference.record(p.op, _args(p.frames), p.frames)
-            for nid in self.nodes.keys() - p.broadcast.names.keys():  # joined while it was under way
-                self._send_raw(nid, REPLAY_PREFIX + p.rid.encode(), p.frames)
+            self.setup.record(p.op, _args(p.frames), p.frames)
+            for node in self.table:  # those that joined while it was under way
+                if node.identity not in p.broadcast.names:
+                    self._send_raw(node.identity, REPLAY_PREFIX + p.rid.encode(), p.frames)
+        p.broadcast = None
         self._deliver(p, answer)
 
-    def _on_replay_answer(self, node_id: bytes, envelope: bytes, answer: list[Any]) -> None:
-        node = self.nodes.get(node_id)
+    def on_replay_answer(self, node_id: bytes, envelope: bytes, answer: list[Any]) -> None:
+        node = self.table.get(node_id)
         if answer and as_bytes(answer[0]) == TYPE_REPLY:
             if node is not None:
                 node.setup_applied += 1
@@ -156,7 +127,3 @@ class BroadcastOps:
 def _args(frames: list[Any]) -> Any:
     """The args of a request already accepted (so its header decodes)."""
     return framing.decode(frames, max_bytes=1 << 62, known_types=CLIENT_TYPES)[1].get("args")
-
-
-def as_bytes(frame: Any) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.bytes
