@@ -45,8 +45,10 @@ Send = Callable[[LoopSocket | None, bytes, list[Any]], None]
 
 
 def as_bytes(frame: Any) -> bytes:
-    """A frame as bytes, whether it came as bytes or as a ``zmq.Frame``."""
-    return frame if isinstance(frame, bytes) else frame.bytes
+    """A frame as bytes, whether it came as bytes, a buffer (the worker link's) or a ``zmq.Frame``."""
+    if isinstance(frame, bytes):
+        return frame
+    return bytes(frame) if isinstance(frame, (memoryview, bytearray)) else frame.bytes
 
 
 def error_frames(rid: str, e: RolloutdError) -> list[bytes]:

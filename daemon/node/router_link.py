@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import socket
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ def capacity_report(supervisor: Any) -> NodeCapacity:
     the ready workers' pipelines. ``images``: the warm image, while sandboxes of it are ready.
     """
     config: NodeConfig = supervisor.config
-    ready = [w for w in supervisor.workers.values() if w.ready]
+    ready = [w for w in supervisor.workers if w.ready]
     slots = config.router_slots or (config.init_concurrency + config.run_concurrency + config.eval_concurrency)
     free: dict[str, int] = {}
     warm = 0
@@ -72,7 +71,7 @@ def capacity_report(supervisor: Any) -> NodeCapacity:
         warm += int(w.stats.get("pool", {}).get("ready", 0))
         for stage, st in w.stats.get("pipeline", {}).get("stages", {}).items():
             free[stage] = free.get(stage, 0) + max(0, int(st["limit"]) - int(st["in_use"]) - int(st["waiting"]))
-    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.pending),
+    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.flow.book),
                         free=free, images=[config.image] if warm else [])
 
 
@@ -149,7 +148,7 @@ class RouterLink:
         if frames and len(frames[0]) == 0:
             self._on_membership(frames[1:])
         else:
-            self.supervisor._on_client_message(self.sock, frames, True)
+            self.supervisor.on_client_message(self.sock, frames, True)
 
     def _on_membership(self, frames: list[Any]) -> None:
         try:
@@ -177,9 +176,10 @@ class RouterLink:
             log.debug("router not reachable: %s", e)
 
     async def _run(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not all(w.ready for w in self.supervisor.workers.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        # Registering before any worker is ready would only offer 0 slots; past the timeout the
+        # node registers anyway, so the router knows it exists.
+        with contextlib.suppress(RolloutdError):
+            await self.supervisor.workers.wait_ready(READY_TIMEOUT_S)
         while True:
             self._wake.clear()
             if self._state_dirty:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -301,6 +302,22 @@ def _plain(details: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the supervisor dies, even by SIGKILL, so no worker outlives it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError as e:
+        log.warning("no C library to set PR_SET_PDEATHSIG (%s): this worker may outlive a killed supervisor, "
+                    "whose `rolloutd node stop` still ends it", e)
+        return
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        err = ctypes.get_errno()
+        raise RolloutdError(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)} (errno {err})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="rolloutd worker (started by the node supervisor)")
     p.add_argument("--index", type=int, required=True)
@@ -311,11 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
-    # Die with the supervisor even if it is killed with SIGKILL (no orphaned workers).
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _die_with_parent()
     worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix)
     t0 = time.monotonic()
     uvloop.run(worker.serve())
