@@ -30,6 +30,7 @@ from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.sandbox.apptainer import apptainer_available
 from rolloutd.daemon.tasks.datasets import _bundled_records, oracle_plans
 from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 from rolloutd.native_io.trajectory import Trajectory, pack_batch
 
 
@@ -57,7 +58,7 @@ def node_daemon(run_dir: Path, args: list[str], env: dict[str, str]) -> Iterator
     cmd = [sys.executable, "-m", "rolloutd.cli.main", "node", "start", "--detach", "--run-dir", str(run_dir), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     if out.returncode != 0:
-        raise RolloutdError(f"the node daemon did not start:\n{out.stderr[-2000:]}")
+        raise RolloutdError(f"the node daemon did not start:\n{tail(out.stderr, LOG_TAIL_CHARS)}")
     try:
         yield out.stdout.strip().splitlines()[-1]
     finally:

@@ -28,6 +28,14 @@ from rolloutd.cli.run_lock import RunFolderLock, running_pid
 from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, RolloutdError
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PROBE_TIMEOUT_S = 2.0
+"""One readiness probe of a starting daemon (a status request on its ipc socket)."""
+STATUS_TIMEOUT_S = 5.0
+"""``rolloutd node|router status``: a running daemon answers status at once, even when busy."""
+KILLED_GONE_TIMEOUT_S = 5.0
+"""After SIGKILL, how long the process may take to disappear."""
+POLL_S = 0.05
+"""How often the command line looks again at a daemon it waits for."""
 
 
 @dataclass(frozen=True)
@@ -102,14 +110,14 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
                                 f"log {log_path}:\n{tail(log_path)}")
         if d.socket_path.exists():
             try:
-                with RolloutClient(d.address, timeout_s=2.0) as client:
+                with RolloutClient(d.address, timeout_s=PROBE_TIMEOUT_S) as client:
                     answering = client.status()["pid"]
                 if answering == proc.pid:  # not another daemon that won the run folder
                     print(d.address, flush=True)
                     return 0
             except RolloutdError:
                 pass
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     _abort_start(proc, d, cleanup)
     raise RolloutdError(f"the {d.what} (pid {proc.pid}) did not answer within {ready_timeout_s} s "
                         f"(--ready-timeout-s); log {log_path}:\n{tail(log_path)}")
@@ -140,7 +148,7 @@ def stop_ladder(pid: int, timeout_s: float) -> str:
         for child in psutil.Process(pid).children(recursive=True):
             child.kill()
         os.kill(pid, signal.SIGKILL)
-    wait_gone(pid, 5.0)
+    wait_gone(pid, KILLED_GONE_TIMEOUT_S)
     return "sigkill"
 
 
@@ -152,7 +160,7 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
                 return True
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     return False
 
 
@@ -161,7 +169,7 @@ def show_status(address: str, as_json: bool, describe: Callable[[dict[str, Any]]
     from rolloutd.client.sync_client import RolloutClient
 
     try:
-        with RolloutClient(address, timeout_s=5.0) as client:
+        with RolloutClient(address, timeout_s=STATUS_TIMEOUT_S) as client:
             st = client.status()
     except DaemonUnavailable as e:
         print(str(e), file=sys.stderr)

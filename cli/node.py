@@ -26,6 +26,10 @@ from rolloutd.native_io import shm
 from rolloutd.native_io.errors import RolloutdError
 
 log = logging.getLogger(__name__)
+DRAIN_CONFIRM_TIMEOUT_S = 10.0
+"""A node confirms a drain or resume signal in its link state file within its next heartbeat."""
+DRAIN_POLL_S = 0.2
+"""How often ``node drain --wait-s`` asks the node whether it is empty."""
 
 
 def pidfile_path(config: NodeConfig, pidfile: str | None) -> Path:
@@ -100,17 +104,17 @@ def drain(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
     if state is None or state.get("pid") != pid:
         raise RolloutdError(f"the node daemon (pid {pid}) has no router link; it was started without --router")
     os.kill(pid, RESUME_SIGNAL if resume else DRAIN_SIGNAL)
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + DRAIN_CONFIRM_TIMEOUT_S
     while (state or {}).get("draining") != (not resume):
         if time.monotonic() > deadline:
-            raise RolloutdError(f"node pid {pid} did not confirm within 10 s; see its log")
-        time.sleep(0.05)
+            raise RolloutdError(f"node pid {pid} did not confirm within {DRAIN_CONFIRM_TIMEOUT_S:g} s; see its log")
+        time.sleep(lifecycle.POLL_S)
         state = read_state(config.run_path)
     print(f"node {state['identity'] if state else pid} {'takes work again' if resume else 'is draining'}")
     if resume or wait_s <= 0:
         return 0
     deadline = time.monotonic() + wait_s
-    with RolloutClient(config.address, timeout_s=10.0) as client:
+    with RolloutClient(config.address, timeout_s=lifecycle.STATUS_TIMEOUT_S) as client:
         while True:
             st = client.status()
             if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
@@ -120,4 +124,4 @@ def drain(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
                 print(f"still busy after {wait_s} s: {st['in_flight']} request(s), "
                       f"{st['sandboxes']['leased']} sandbox(es) leased", file=sys.stderr)
                 return 1
-            time.sleep(0.2)
+            time.sleep(DRAIN_POLL_S)

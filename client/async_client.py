@@ -54,6 +54,8 @@ HEARTBEAT_TIMEOUT_MS = 10000
 I/O thread answers even while the daemon's event loop is busy, so load does not trip it)."""
 RESULT_MARGIN_S = 60.0
 """``as_completed`` without a timeout waits for the latest request's own ``timeout_s`` plus this."""
+SANDBOX_CLOSE_TIMEOUT_S = 60.0
+"""Closing a sandbox stops its processes and resets it: seconds, even on a busy node."""
 
 
 def default_address() -> str:
@@ -389,7 +391,7 @@ class AsyncSandbox:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            await self.client.request("sandbox.close", {"sandbox_id": self.id}, timeout_s=60)
+            await self.client.request("sandbox.close", {"sandbox_id": self.id}, timeout_s=SANDBOX_CLOSE_TIMEOUT_S)
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self

@@ -32,7 +32,6 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
@@ -40,6 +39,7 @@ import numpy as np
 
 from rolloutd.daemon.inference.base import GenerateResult, InferenceBackend, SamplingParams
 from rolloutd.daemon.inference.factory import make_backend
+from rolloutd.daemon.inference.health import PoolServer, ServerHealth
 from rolloutd.native_io.errors import (
     ConfigError,
     InferenceError,
@@ -61,33 +61,6 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-@dataclass(eq=False)
-class _Server:
-    backend: InferenceBackend
-    healthy: bool = True
-    removed: bool = False
-    in_flight: int = 0
-    dispatched: int = 0
-    completed: int = 0
-    failures: int = 0
-    last_error: str = ""
-    slow_probes: int = 0
-    """Slow health probes in a row since a call last completed here."""
-    weight_version: str = ""
-    calls: dict[str, asyncio.Task[GenerateResult]] = field(default_factory=dict)
-    """Request id -> its call, a task of its own: cancelling it aborts the call on the server
-    (:meth:`ServerPool.remove_server`) and never touches the turn that waits on it."""
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def address(self) -> str:
-        return self.backend.address
-
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.removed
-
-
 class ServerPool:
     def __init__(self, *, api_key: str | None = None, max_attempts: int = 3, health_interval_s: float = 5.0,
                  weight_version: str = "0", max_sticky: int = 100_000, server_wait_s: float = 0.0,
@@ -101,21 +74,16 @@ class ServerPool:
             raise ConfigError(f"server_wait_s must be >= 0 and slow_probes_to_remove >= 1, got "
                               f"{server_wait_s!r} and {slow_probes_to_remove!r}")
         self._server_wait_s = server_wait_s
-        self._slow_probes_to_remove = slow_probes_to_remove
-        self._usable_again = asyncio.Event()
-        """Set whenever a server becomes usable (added, or back from a failure)."""
-        self._recovery_task: asyncio.Task[None] | None = None
         self._api_key = api_key
         self._max_attempts = max_attempts
-        self._health_interval_s = health_interval_s
         self._weight_version = weight_version
         self._max_sticky = max_sticky
         self._http_options = http_options or {}
-        self._servers: dict[str, _Server] = {}
+        self._servers: dict[str, PoolServer] = {}
+        self._health = ServerHealth(self._servers, health_interval_s, slow_probes_to_remove)
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._health_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def create(cls, specs: Sequence[str | InferenceBackend], **options: Any) -> ServerPool:
@@ -144,12 +112,10 @@ class ServerPool:
             if backend is not self._servers[backend.address].backend:
                 await backend.close()
             raise ConfigError(f"{backend.address} is already in the pool")
-        server = _Server(backend=backend)
+        server = PoolServer(backend=backend)
         server.idle.set()
         self._servers[backend.address] = server
-        self._usable_again.set()
-        if self._health_task is None and self._health_interval_s > 0:
-            self._health_task = asyncio.create_task(self._health_loop(), name="inference-health")
+        self._health.server_added()
         logger.info("added %s server %s (%d in the pool)", backend.kind, backend.address, len(self._servers))
         return backend.address
 
@@ -189,13 +155,13 @@ class ServerPool:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _choose(self, trajectory_id: str) -> _Server | None:
+    def _choose(self, trajectory_id: str) -> PoolServer | None:
         address = self._sticky.get(trajectory_id)
         if address is not None:
             server = self._servers.get(address)
             if server is not None and server.usable:
                 return server
-        best: _Server | None = None
+        best: PoolServer | None = None
         for server in self._servers.values():
             # Fewest calls in flight; ties go to the server that got fewer calls so far.
             if server.usable and (best is None or (server.in_flight, server.dispatched)
@@ -249,7 +215,7 @@ class ServerPool:
             except (InferenceTimeout, InferenceRejected):
                 raise
             except InferenceError as e:
-                self._take_out(server, e)
+                self._health.take_out(server, e)
                 self._sticky.pop(trajectory_id, None)
                 failures.append(e)
                 continue
@@ -274,36 +240,14 @@ class ServerPool:
                           f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}); {why}")
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
-                                f"(pool: {self._describe()}); add servers or wait for the health check")
+                                f"(pool: {self._health.describe()}); add servers or wait for the health check")
 
-    async def _wait_for_server(self, trajectory_id: str, deadline: float) -> _Server | None:
+    async def _wait_for_server(self, trajectory_id: str, deadline: float) -> PoolServer | None:
         """A usable server once one comes back, within ``server_wait_s`` and the deadline."""
         if self._server_wait_s <= 0 or not self._servers:
             return None
-        loop = asyncio.get_running_loop()
-        until = min(deadline, loop.time() + self._server_wait_s)
-        if self._recovery_task is None or self._recovery_task.done():
-            self._recovery_task = loop.create_task(self._probe_until_usable(until), name="inference-recovery")
-        while loop.time() < until:
-            self._usable_again.clear()
-            server = self._choose(trajectory_id)
-            if server is not None:
-                return server
-            try:
-                async with asyncio.timeout_at(until):
-                    await self._usable_again.wait()
-            except TimeoutError:
-                break
-        return self._choose(trajectory_id)
-
-    async def _probe_until_usable(self, until: float) -> None:
-        """Probe the servers that are out, 0.25 s apart at first, doubling up to 5 s."""
-        loop = asyncio.get_running_loop()
-        interval = 0.25
-        while loop.time() < until and not any(s.usable for s in self._servers.values()):
-            await asyncio.sleep(min(interval, max(0.0, until - loop.time())))
-            await self.check_health()
-            interval = min(interval * 2, 5.0)
+        until = min(deadline, asyncio.get_running_loop().time() + self._server_wait_s)
+        return await self._health.wait_for(lambda: self._choose(trajectory_id), until)
 
     async def _wait_resumed(self, deadline: float, base_id: str) -> None:
         try:
@@ -313,18 +257,6 @@ class ServerPool:
             raise InferenceTimeout(f"turn {base_id} waited for the paused pool (weight update) past its "
                                    "deadline; raise timeout_s or resume the pool sooner") from e
 
-    def _take_out(self, server: _Server, error: InferenceError) -> None:
-        server.healthy = False
-        server.failures += 1
-        server.last_error = str(error)
-        logger.warning("taking %s out of the pool: %s", server.address, error)
-
-    def _describe(self) -> str:
-        if not self._servers:
-            return "empty"
-        return ", ".join(f"{s.address} {'ok' if s.usable else 'out'}"
-                         f"{': ' + s.last_error[:120] if s.last_error else ''}" for s in self._servers.values())
-
     # --- weights and control -----------------------------------------------------------------
 
     async def set_weight_version(self, version: str) -> None:
@@ -332,7 +264,7 @@ class ServerPool:
         (so its per-token versions say it from now on), and for results from servers that report
         none."""
         self._weight_version = str(version)
-        await self._on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
+        await self._health.on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
 
     @property
     def weight_version(self) -> str:
@@ -345,79 +277,30 @@ class ServerPool:
     async def pause_all(self, mode: str = "keep") -> None:
         """Pause every server; new calls wait in the pool until :meth:`resume_all`."""
         self._resumed.clear()
-        await self._on_all("pause", lambda s: s.backend.pause(mode))
+        await self._health.on_all("pause", lambda s: s.backend.pause(mode))
 
     async def resume_all(self) -> None:
-        await self._on_all("resume", lambda s: s.backend.resume())
+        await self._health.on_all("resume", lambda s: s.backend.resume())
         self._resumed.set()
 
-    async def _on_all(self, what: str, call: Any) -> None:
-        servers = [s for s in self._servers.values() if not s.removed]
-        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
-        errors = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
-        for server, error in errors:
-            if not isinstance(error, InferenceError):
-                raise error
-            self._take_out(server, error)
-        if errors:
-            raise InferenceError(f"{what} failed on {len(errors)} of {len(servers)} server(s) (taken out): "
-                                 + "; ".join(f"{s.address}: {e}" for s, e in errors))
-
     async def check_health(self) -> dict[str, bool]:
-        """Probe every server once: failing ones go out, recovered ones come back, slow ones
-        stay until they have been slow ``slow_probes_to_remove`` times in a row."""
-        servers = [s for s in self._servers.values() if not s.removed]
-        results = await asyncio.gather(*(s.backend.probe() for s in servers))
-        for server, state in zip(servers, results):
-            if state == "slow" and server.healthy:
-                server.slow_probes += 1
-                if server.slow_probes < self._slow_probes_to_remove:
-                    logger.info("%s answered its health check late (%d in a row); kept in the pool",
-                                server.address, server.slow_probes)
-                    continue
-            ok = state == "ok"
-            if ok:
-                server.slow_probes = 0
-            if ok and not server.healthy:
-                logger.info("%s passed its health check; back in the pool", server.address)
-                self._usable_again.set()
-            elif not ok and server.healthy:
-                server.last_error = "health check failed" if state == "down" else \
-                    f"health check answered late {server.slow_probes} times in a row"
-                logger.warning("%s failed its health check (%s); taken out of the pool", server.address, state)
-            server.healthy = ok
-        return {s.address: s.healthy for s in servers}
+        """Probe every server once (see :meth:`ServerHealth.check`); address -> usable."""
+        return await self._health.check()
 
     def context_limit(self) -> int | None:
         """The smallest context window a usable server reports; None when none reports one."""
-        limits = [s.backend.max_model_len for s in self._servers.values()
-                  if s.usable and s.backend.max_model_len]
-        return min(limits) if limits else None
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._health_interval_s)
-            await self.check_health()
+        return self._health.context_limit()
 
     def status(self) -> dict[str, Any]:
         return {
             "paused": self.paused,
             "weight_version": self._weight_version,
             "sticky_trajectories": len(self._sticky),
-            "servers": [{
-                "address": s.address, "kind": s.backend.kind, "healthy": s.healthy, "removed": s.removed,
-                "in_flight": s.in_flight, "dispatched": s.dispatched, "completed": s.completed,
-                "failures": s.failures, "last_error": s.last_error, "weight_version": s.weight_version,
-            } for s in self._servers.values()],
+            "servers": [s.status() for s in self._servers.values()],
         }
 
     async def close(self) -> None:
-        for name in ("_health_task", "_recovery_task"):
-            task = getattr(self, name)
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                setattr(self, name, None)
+        await self._health.close()
         servers = list(self._servers.values())
         self._servers.clear()
         await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from rolloutd.native_io.errors import SandboxStartError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
@@ -129,7 +130,7 @@ class ApptainerSandbox(Sandbox):
             raise
         pid_text = pid_file.read_text().strip() if pid_file.exists() else ""
         if proc.returncode != 0 or not pid_text.isdigit():
-            output = start_log.read_text(errors="replace").strip()[-1500:]
+            output = tail((await asyncio.to_thread(start_log.read_text, errors="replace")).strip(), LOG_TAIL_CHARS)
             await self.stop()
             raise SandboxStartError(
                 f"apptainer instance start failed (exit {proc.returncode}) for image {self.image_path}: "

@@ -33,6 +33,11 @@ from .base import Sandbox, SandboxBackend, SandboxSpec
 
 log = logging.getLogger(__name__)
 
+FIRST_COMMAND_TIMEOUT_S = 10.0
+"""A new shell's first command (it loads the command path): slow only on a saturated node."""
+PROBE_TIMEOUT_S = 2.0
+"""A returned sandbox's shell must answer ``:`` this fast to be leased again."""
+
 T = TypeVar("T")
 
 
@@ -153,7 +158,7 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
         if shell.pid is not None:
             sandbox.session_ids.add(shell.pid)
         # The first command of a new shell pays for loading the command path; pay it here.
-        await shell.run(":", timeout_s=10.0)
+        await shell.run(":", timeout_s=FIRST_COMMAND_TIMEOUT_S)
         if start_kernel and spec.ipython:
             await lease.start_kernel()
     except BaseException:
@@ -285,7 +290,7 @@ class WarmPool:
             self.counters["recycled_old"] += 1
             return False
         try:
-            return (await lease.shell.run(":", timeout_s=2.0)).exit_code == 0
+            return (await lease.shell.run(":", timeout_s=PROBE_TIMEOUT_S)).exit_code == 0
         except SessionError:
             return False
 

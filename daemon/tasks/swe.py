@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutd.native_io.errors import CommandTimeout, TaskError
+from rolloutd.native_io.output import tail
 
-from .base import EvalResult, Task, TaskType, require
+from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
 from .sandbox_files import IGNORED, copy_tree_in, write_file
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 _RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 REPO_FOLDER = "repo"
+GIT_CHECKOUT_TIMEOUT_S = 300.0
+"""A checkout of ``base_commit`` in a large repository, with ``git clean``."""
+GIT_APPLY_TIMEOUT_S = 60.0
 
 
 class SweTaskType(TaskType):
@@ -72,7 +76,7 @@ class SweTaskType(TaskType):
         async with self._template_locks.setdefault(str(folder), asyncio.Lock()):
             if not folder.exists():
                 staging = folder.with_name(REPO_FOLDER + ".partial")
-                shutil.rmtree(staging, ignore_errors=True)
+                await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
                 await asyncio.to_thread(_build_template, task.record, staging)
                 staging.rename(folder)
         return folder
@@ -84,13 +88,13 @@ class SweTaskType(TaskType):
             if rec.get("base_commit"):
                 commit = shlex.quote(rec["base_commit"])
                 r = await lease.run(f"cd {shlex.quote(workdir)} && git checkout -q -f {commit} && git clean -fdq",
-                                    timeout_s=300)
+                                    timeout_s=GIT_CHECKOUT_TIMEOUT_S)
                 if r.exit_code != 0:
-                    raise TaskError(f"task {task.instance_id}: cannot check out {rec['base_commit']}: {r.output[-500:]}")
+                    raise TaskError(f"task {task.instance_id}: cannot check out {rec['base_commit']}: {tail(r.output)}")
         else:
             workdir = f"{lease.sandbox.workspace_inside}/{REPO_FOLDER}"
             await copy_tree_in(lease, await self._template(task, cache_dir), workdir)
-        r = await lease.run(f"cd {shlex.quote(workdir)}", timeout_s=30)
+        r = await lease.run(f"cd {shlex.quote(workdir)}", timeout_s=SHELL_STEP_TIMEOUT_S)
         if r.exit_code != 0:
             raise TaskError(f"task {task.instance_id}: working folder {workdir} is missing in the sandbox")
         return workdir
@@ -102,10 +106,14 @@ class SweTaskType(TaskType):
         if "eval_dir" in rec:
             await copy_tree_in(lease, Path(rec["eval_dir"]), workdir)
         if rec.get("test_patch"):
-            await write_file(lease, "/tmp/rolloutd-test.patch", rec["test_patch"].encode())
-            r = await lease.run(f"cd {shlex.quote(workdir)} && git apply /tmp/rolloutd-test.patch", timeout_s=60)
+            # In the lease's own run folder: a fixed /tmp path is shared by every sandbox of the
+            # local backend, so concurrent evaluations would apply each other's patches.
+            patch = f"{lease.sandbox.run_dir_inside}/test.patch"
+            await write_file(lease, patch, rec["test_patch"].encode())
+            r = await lease.run(f"cd {shlex.quote(workdir)} && git apply {shlex.quote(patch)}",
+                                timeout_s=GIT_APPLY_TIMEOUT_S)
             if r.exit_code != 0:
-                return EvalResult(0.0, {"error": f"test patch does not apply: {r.output[-500:]}"})
+                return EvalResult(0.0, {"error": f"test patch does not apply: {tail(r.output)}"})
         f2p, p2p = rec["FAIL_TO_PASS"], rec.get("PASS_TO_PASS", [])
         tests = " ".join(shlex.quote(t) for t in [*f2p, *p2p])
         command = rec.get("test_command", "python3 -m pytest")
