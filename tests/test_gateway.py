@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import uvloop
 
 from daemon_fixtures import node_daemon
 from rolloutd.daemon.gateway.mapping import DataSources
@@ -267,7 +268,7 @@ def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
                 assert status == 200 and body["llm_servers"] == [url] and body["address"] == address
                 assert (await http("GET", "/status", token=None))[0] == 401
 
-        asyncio.run(check(line.split()[1]))
+        uvloop.run(check(line.split()[1]))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -190,3 +190,31 @@ def test_a_circle_is_caught() -> None:
     graph = import_graph()
     graph["native_io.framing"] = {**graph["native_io.framing"], "native_io.wire": 1}
     assert ["native_io.framing", "native_io.wire"] in circles(graph)
+
+
+MODULE_MAX_LINES = 500
+CLASS_MAX_LINES = 250
+
+
+def oversized(path: Path) -> list[str]:
+    """Modules over MODULE_MAX_LINES and classes over CLASS_MAX_LINES lines in ``path``."""
+    source = path.read_text()
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    found = [f"{where}: {n} lines" for n in [len(source.splitlines())] if n > MODULE_MAX_LINES]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            n = node.end_lineno - node.lineno + 1
+            if n > CLASS_MAX_LINES:
+                found.append(f"{where}: class {node.name} {n} lines")
+    return found
+
+
+def test_modules_and_classes_stay_small() -> None:
+    """One job per module and per class: the sizes that say it."""
+    assert [f for path in source_modules().values() for f in oversized(path)] == []
+
+
+def test_a_big_class_is_caught(tmp_path: Path) -> None:
+    big = tmp_path / "big.py"
+    big.write_text("class Big:\n" + "    x = 1\n" * CLASS_MAX_LINES)
+    assert oversized(big) == [f"{big}: class Big {CLASS_MAX_LINES + 1} lines"]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from os_users import ensure_test_user
+from support.net import free_port
 from slurm_support import (
     CLIENT,
     CLUSTER_DIR,
@@ -34,13 +35,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.unprivileged]
 
 PY = sys.executable
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm_templates"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="session")

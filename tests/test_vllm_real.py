@@ -21,7 +21,7 @@ import pytest
 
 from agent_support import reference_tokenizer
 from daemon_fixtures import node_daemon
-from inference_support import run
+from support.loop import run
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.agents.base import make_agent
