@@ -167,3 +167,11 @@ def test_infra_failed_samples_are_marked_so_no_trainer_learns_from_them() -> Non
         (True, "model"), (False, "inference")]
     openrlhf = to_openrlhf_agent_outputs([good, lost])
     assert [o["extra_logs"]["reward_valid"] for o in openrlhf] == [1.0, 0.0]
+
+
+def test_an_installed_trainer_that_does_not_import_fails_not_skips() -> None:
+    """Only an absent trainer package skips; a broken import of an installed one is an error."""
+    with pytest.raises(ModuleNotFoundError):
+        real_module("torch.no_such_module_here")
+    with pytest.raises(pytest.skip.Exception):
+        real_module("no_such_trainer_package_here")

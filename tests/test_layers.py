@@ -19,8 +19,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("native_io", "client", "daemon", "cli")
-SKIP = ("daemon/tasks/bundled",)
-"""Data, not code of the package: task repositories copied into sandboxes."""
 
 RUNTIME = frozenset({"sandbox", "sessions", "pipeline", "agents", "tasks", "inference", "policy",
                      "openai_proxy", "gateway"})
@@ -53,9 +51,7 @@ def source_modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if not rel.startswith(SKIP):
-                found[_module_name(path)] = path
+            found[_module_name(path)] = path
     return found
 
 

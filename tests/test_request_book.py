@@ -108,7 +108,7 @@ def test_ids_are_checked_and_salvaged() -> None:
             checked_id(MsgType.REQUEST, {"id": bad})
     frames = framing.encode(MsgType.REQUEST, {"id": "y" * (MAX_ID_LEN + 5), "op": "status"})
     assert salvage_id(frames) == "y" * MAX_ID_LEN
-    assert salvage_id([b"\x01", b"\xc1not msgpack"]) == ""
+    assert salvage_id([bytes((MsgType.REQUEST,)), b"\xc1not msgpack"]) == ""
 
 
 def test_answers_as_buffers_are_kept_as_bytes(book: Any) -> None:
