@@ -3,13 +3,13 @@ repeat joins it in flight and gets the kept answer after, an answer not kept is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from rolloutd.daemon.common.request_book import (
     CACHE_ANSWER_MAX_BYTES,
+    Accepted,
     MAX_ID_LEN,
     RequestBook,
     checked_id,
@@ -20,11 +20,8 @@ from rolloutd.native_io.errors import BadRequest, Cancelled
 from rolloutd.native_io.wire import MsgType
 
 
-@dataclass
-class Asked:
-    rid: str
-    client: bytes
-    socket: Any = None
+def Asked(rid: str, client: bytes) -> Accepted:
+    return Accepted(rid=rid, client=client, socket=None, op="status", frames=[])
 
 
 class Outbox:
@@ -44,7 +41,7 @@ def reply(rid: str, payload: str = "ok") -> list[bytes]:
 
 
 @pytest.fixture
-def book() -> tuple[RequestBook[Asked], Outbox, dict[str, int]]:
+def book() -> tuple[RequestBook[Accepted], Outbox, dict[str, int]]:
     counters = {"duplicates": 0, "replies": 0, "errors": 0}
     out = Outbox()
     return RequestBook(out, counters, completed_ttl_s=60.0), out, counters

@@ -14,7 +14,8 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
@@ -30,17 +31,21 @@ CACHE_ANSWER_MAX_BYTES = 1 << 20
 TYPE_ERROR = bytes((MsgType.ERROR,))
 
 
-class Asker(Protocol):
-    """What the book needs of a process's own record of a request."""
+@dataclass(kw_only=True, slots=True)
+class Accepted:
+    """What the node and the router both record of an accepted request; each adds its own fields."""
 
     rid: str
     client: bytes
     """The asker's routing id."""
     socket: LoopSocket | None
     """Where the answer goes; None for a daemon's own housekeeping requests (answered to no one)."""
+    op: str
+    frames: list[Any]
+    """As received, type onward; kept (not copied) to dispatch again."""
 
 
-P = TypeVar("P", bound=Asker)
+P = TypeVar("P", bound=Accepted)
 Send = Callable[[LoopSocket | None, bytes, list[Any]], None]
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.daemon.common.request_book import RequestBook, Send, error_frames
+from rolloutd.daemon.common.request_book import Accepted, RequestBook, Send, error_frames
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.segments import Segments
 from rolloutd.daemon.node.workers import WorkerHandle, Workers
@@ -33,17 +33,10 @@ from rolloutd.native_io.zmq_loop import LoopSocket
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Pending:
-    """An accepted request that has no final answer yet."""
+@dataclass(kw_only=True, slots=True)
+class Pending(Accepted):
+    """An accepted request that has no final answer yet, as the node keeps it."""
 
-    rid: str
-    client: bytes
-    socket: LoopSocket | None
-    """Where the answer goes; None for the daemon's own housekeeping requests."""
-    op: str
-    frames: list[Any]
-    """The original frames from type onward, kept for re-dispatch."""
     client_pid: int | None
     worker: int | None = None
     started: bool = False
@@ -87,7 +80,7 @@ class RequestFlow:
             # A client on another host cannot map this node's shared memory.
             header = {k: v for k, v in header.items() if k != "v"} | {"arrays": "frames"}
             frames = [frames[0], framing.pack_header(header), *frames[2:]]
-        p = Pending(rid, client, sock, op, frames, pid)
+        p = Pending(rid=rid, client=client, socket=sock, op=op, frames=frames, client_pid=pid)
         if op == "status":  # taken before the book counts this request among those in flight
             answer = framing.encode(MsgType.REPLY, {"id": rid, "result": status(), "refs": []})
             self.book.open(p)
@@ -105,11 +98,7 @@ class RequestFlow:
             else:
                 self._dispatch(p, w)
         else:
-            w = self.workers.pick()
-            if w is None:
-                self.queued.append(rid)
-            else:
-                self._dispatch(p, w)
+            self._dispatch_or_queue(p)
 
     def cancel(self, rid: str) -> None:
         p = self.book.get(rid)
@@ -139,17 +128,20 @@ class RequestFlow:
             # The worker's pipe is gone: it is dying; its exit handler re-dispatches.
             log.warning("could not hand %s to worker %d", p.rid, w.index)
 
+    def _dispatch_or_queue(self, p: Pending) -> None:
+        """To the least busy live worker, or into the queue until one is ready."""
+        w = self.workers.pick()
+        if w is None:
+            self.queued.append(p.rid)
+        else:
+            self._dispatch(p, w)
+
     def flush_queue(self) -> None:
         queued, self.queued = self.queued, []
         for rid in queued:
             p = self.book.get(rid)
-            if p is None:
-                continue
-            w = self.workers.pick()
-            if w is None:
-                self.queued.append(rid)
-            else:
-                self._dispatch(p, w)
+            if p is not None:
+                self._dispatch_or_queue(p)
 
     def started(self, rid: str) -> None:
         p = self.book.get(rid)
@@ -212,8 +204,9 @@ class RequestFlow:
                 idx, _ = self.sandbox_owner.pop(sid)
                 self.sandbox_client.pop(sid, None)
                 rid = f"reclaim-{sid}"
-                close = Pending(rid, b"", None, "sandbox.close", framing.encode(
-                    MsgType.REQUEST, {"id": rid, "op": "sandbox.close", "args": {"sandbox_id": sid}}), None)
+                close = Pending(rid=rid, client=b"", socket=None, op="sandbox.close", client_pid=None,
+                                frames=framing.encode(MsgType.REQUEST, {"id": rid, "op": "sandbox.close",
+                                                                        "args": {"sandbox_id": sid}}))
                 self.book.open(close)
                 self._dispatch(close, self.workers[idx])
 

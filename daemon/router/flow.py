@@ -73,7 +73,8 @@ class RequestFlow:
             self._send(sock, client, error_frames(rid, e))
             return
         self.counters["requests"] += 1
-        p = Pending(rid, client, sock, op if isinstance(op, str) else repr(op), frames, hints)
+        p = Pending(rid=rid, client=client, socket=sock, op=op if isinstance(op, str) else repr(op), frames=frames,
+                    hints=hints)
         self.book.open(p)
         if op in BROADCAST_OPS:
             self.broadcasts.start(p)

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutd.daemon.common.request_book import Accepted
 from rolloutd.daemon.router.dispatch import Hints, NodeEntry
 from rolloutd.native_io import framing
 from rolloutd.native_io.errors import NodeLost
 from rolloutd.native_io.wire import MsgType
-from rolloutd.native_io.zmq_loop import LoopSocket
 
 
 @dataclass
@@ -51,17 +51,10 @@ class Broadcast:
         return framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": []})
 
 
-@dataclass(slots=True)
-class Pending:
-    """An accepted request without its final answer yet."""
+@dataclass(kw_only=True, slots=True)
+class Pending(Accepted):
+    """An accepted request without its final answer yet, as the router keeps it."""
 
-    rid: str
-    client: bytes
-    socket: LoopSocket | None
-    """The trainer socket (local ipc or TCP) the answer goes out on."""
-    op: str
-    frames: list[Any]
-    """As received from the trainer, type onward; kept (not copied) to re-dispatch."""
     hints: Hints
     node: NodeEntry | None = None
     attempts: int = 0
