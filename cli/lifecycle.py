@@ -5,6 +5,11 @@ pidfile, foreground run, detached start, stop by a ladder.
 its standard streams on a log file (never on the caller's pipes), and the command returns only
 once the daemon answers a real status request on its ipc socket, or fails with the log's tail
 and a non-zero exit code, leaving nothing behind.
+
+"This pid is the daemon of that run folder" has one definition (:func:`is_daemon`), which the
+Slurm hooks implement the same way in shell (``rld_is_daemon``; tests/test_slurm_hooks.py runs
+both on the same processes): alive, owned by the uid, and naming the run folder on its command
+line. A detached daemon's command line always carries ``--run-dir``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import psutil
 import uvloop
 
 from rolloutd.cli.run_lock import RunFolderLock, running_pid
-from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, RolloutdError
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, PermissionDenied, RolloutdError
+from rolloutd.native_io.procfs import pid_alive
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PROBE_TIMEOUT_S = 2.0
@@ -57,6 +64,54 @@ class DaemonProcess:
     @property
     def address(self) -> str:
         return f"ipc://{self.socket_path}"
+
+
+CMDLINE_READ_MAX = 65536
+"""Bytes of /proc/PID/cmdline looked at (the shell side reads as many)."""
+
+
+def is_daemon(pid: int, run_path: Path, uid: int) -> bool:
+    """``pid`` is alive (not a zombie), owned by ``uid``, and one argument of its command line is
+    ``run_path`` or a path inside it (``job1`` is no prefix of ``job10/``)."""
+    run = os.path.abspath(run_path)
+    if not pid_alive(pid):
+        return False
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != uid:
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(CMDLINE_READ_MAX)
+    except OSError:
+        return False
+    args = [a.decode(errors="surrogateescape") for a in raw.split(b"\0")[:-1]]
+    return any(a == run or a.startswith(run + "/") for a in args)
+
+
+def daemon_pid(run_path: Path, kind: str, uid: int | None = None) -> int | None:
+    """The daemon of ``kind`` serving ``run_path``: the holder of its run-folder lock, when that
+    process is the folder's daemon by :func:`is_daemon` (for ``uid``, default the folder's
+    owner); None when none runs. A lock file linked to another folder's (a user can do that in
+    their own folders) names the other daemon, which the rule refuses, so ``stop`` never signals it."""
+    try:
+        holder = running_pid(run_path, kind)
+    except PermissionError as e:
+        try:
+            owner = f"uid {run_path.stat().st_uid}"
+        except OSError:
+            owner = "another user"
+        raise PermissionDenied(f"cannot look into the run folder {run_path}: it belongs to {owner}, not to you "
+                               f"(uid {os.getuid()}); run this as its owner") from e
+    if holder is None:
+        return None
+    # A daemon runs as its run folder's owner (it made the folder, or the Slurm prolog made it
+    # for the job's user): root stopping a user's daemon expects that user, not root.
+    if not is_daemon(holder, run_path, run_path.stat().st_uid if uid is None else uid):
+        raise DaemonRunning(
+            f"pid {holder} holds {run_path}/{kind}.lock but is not the {kind} daemon of {run_path} (not run by "
+            f"the folder's owner, or its command line does not name {run_path}); it was left untouched. Stop it "
+            "yourself, or start daemons with --run-dir so that they can be told apart"
+        )
+    return holder
 
 
 def run_foreground(d: DaemonProcess, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
@@ -92,12 +147,12 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
     env.setdefault("PATH", DEFAULT_PATH)
     with out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rolloutd.cli.main", d.command, "start", "--pidfile", str(d.pidfile),
-             "--config-from-env"],
+            # --run-dir is ignored with --config-from-env: it is there so the command line names
+            # the run folder (is_daemon).
+            [sys.executable, "-m", "rolloutd.cli.main", d.command, "start", "--run-dir",
+             os.path.abspath(d.run_path), "--pidfile", str(d.pidfile), "--config-from-env"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, close_fds=True,
         )
-    from rolloutd.client.sync_client import RolloutClient
-
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -166,8 +221,6 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
 
 def show_status(address: str, as_json: bool, describe: Callable[[dict[str, Any]], None]) -> int:
     """Print the running daemon's status (JSON, or ``describe``'s lines); 3 when there is none."""
-    from rolloutd.client.sync_client import RolloutClient
-
     try:
         with RolloutClient(address, timeout_s=STATUS_TIMEOUT_S) as client:
             st = client.status()

@@ -34,14 +34,17 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
     if getattr(args, "config_from_env", False):
         import os
 
-        return NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
+        # Popped: nothing this daemon starts (workers get it again, sandboxes never) inherits it,
+        # and it may hold the inference key.
+        return NodeConfig.from_json(os.environ.pop("ROLLOUTD_NODE_CONFIG_JSON"))
     overrides = {
         "run_dir": args.run_dir, "workers": args.workers, "backend": args.backend, "image": args.image,
         "warm_sandboxes_per_worker": args.warm, "router": args.router, "tcp_bind": args.tcp_bind,
         "inference_servers": args.inference_server, "log_level": args.log_level,
         "node_name": args.node_name, "router_public_key_file": args.router_public_key_file,
         "router_slots": args.router_slots, "curve_secret_key_file": args.curve_secret_key_file,
-        "curve_allowed_keys_dir": args.curve_allowed_keys_dir,
+        "curve_allowed_keys_dir": args.curve_allowed_keys_dir, "content_special_tokens": args.content_special_tokens,
+        "inference_api_key_file": args.inference_api_key_file,
     }
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
@@ -52,6 +55,10 @@ def _cmd_node(args: argparse.Namespace) -> int:
     config = _node_config(args)
     if args.node_command == "drain":
         return node.drain(config, resume=args.resume, wait_s=args.wait_s)
+    if args.node_command == "check":
+        print(f"node settings accepted: backend {config.backend}, {config.worker_count} workers, "
+              f"{len(config.inference_servers)} inference servers")
+        return 0
     return _lifecycle(node, config, args, args.node_command)
 
 
@@ -71,9 +78,9 @@ def _lifecycle(module: Any, config: Any, args: argparse.Namespace, command: str)
 def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     from pathlib import Path
 
-    node_p = sub.add_parser("node", help="the per-node daemon: start, stop, status, drain")
+    node_p = sub.add_parser("node", help="the per-node daemon: start, stop, status, drain; check (the settings only)")
     node_sub = node_p.add_subparsers(dest="node_command", required=True)
-    for name in ("start", "stop", "status", "drain"):
+    for name in ("start", "stop", "status", "drain", "check"):
         p = node_sub.add_parser(name)
         p.add_argument("--config", help="TOML file (also $ROLLOUTD_CONFIG)")
         p.add_argument("--run-dir", help="run folder (default $XDG_RUNTIME_DIR/rolloutd or /tmp/rolloutd-$UID)")
@@ -81,12 +88,15 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         p.set_defaults(func=_cmd_node, workers=None, backend=None, image=None, warm=None, router=None,
                        tcp_bind=None, inference_server=None, log_level=None, node_name=None,
                        router_public_key_file=None, router_slots=None, curve_secret_key_file=None,
-                       curve_allowed_keys_dir=None)
+                       curve_allowed_keys_dir=None, content_special_tokens=None,
+                       inference_api_key_file=None)
         if name == "start":
             p.add_argument("--detach", action="store_true",
                            help="run in the background (new session, output to the log file); return once it answers")
             p.add_argument("--log-file", type=Path, help="with --detach; default <run folder>/node.log")
             p.add_argument("--ready-timeout-s", type=float, default=300.0)
+            p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
+        if name in ("start", "check"):
             p.add_argument("--workers", type=int, help="worker processes (default: one per core)")
             p.add_argument("--backend", choices=["auto", "apptainer", "local"])
             p.add_argument("--image", help="image of the warm sandboxes")
@@ -99,15 +109,17 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
             p.add_argument("--curve-allowed-keys-dir", help="public keys of trainers allowed on --tcp-bind")
             p.add_argument("--tcp-bind", help="also listen on tcp://HOST:PORT (CURVE keys required)")
             p.add_argument("--inference-server", action="append", help="inference server URL (repeatable)")
+            p.add_argument("--content-special-tokens", choices=["text", "reject", "special"],
+                           help="added tokens' text in tool output and other non-model text (default text)")
+            p.add_argument("--inference-api-key-file", help="file (mode 0600) holding the inference servers' bearer token")
             p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-            p.add_argument("--config-from-env", action="store_true", help=argparse.SUPPRESS)
         elif name == "stop":
             p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")
         elif name == "drain":
             p.add_argument("--resume", action="store_true", help="take new work again (re-join)")
             p.add_argument("--wait-s", type=float, default=0.0,
                            help="then wait up to this long for the node's requests and sandboxes to finish")
-        else:
+        elif name == "status":
             p.add_argument("--json", action="store_true")
 
 

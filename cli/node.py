@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.cli import lifecycle
-from rolloutd.cli.lifecycle import DaemonProcess
-from rolloutd.cli.run_lock import running_pid
+from rolloutd.cli.lifecycle import DaemonProcess, daemon_pid
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.reaper import reap_state_dir
@@ -51,7 +50,7 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
 
 
 def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = running_pid(config.run_path, "node")
+    pid = daemon_pid(config.run_path, "node")
     if pid is None:
         print(f"no node daemon running for {config.run_path}")
         _cleanup_after(config, None)
@@ -97,7 +96,7 @@ def _describe(st: dict[str, Any]) -> None:
 
 def drain(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
     """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    pid = running_pid(config.run_path, "node")
+    pid = daemon_pid(config.run_path, "node")
     state = read_state(config.run_path)
     if pid is None:
         raise RolloutdError(f"no node daemon running for {config.run_path}")

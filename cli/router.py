@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.cli import lifecycle
-from rolloutd.cli.lifecycle import DaemonProcess
-from rolloutd.cli.run_lock import running_pid
+from rolloutd.cli.lifecycle import DaemonProcess, daemon_pid
 from rolloutd.daemon.router.config import RouterConfig
 from rolloutd.daemon.router.router import Router
 
@@ -37,7 +36,7 @@ def start_detached(config: RouterConfig, pidfile: Path, log_file: Path | None, r
 
 
 def stop(config: RouterConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = running_pid(config.run_path, "router")
+    pid = daemon_pid(config.run_path, "router")
     if pid is None:
         print(f"no router running for {config.run_path}")
     else:

@@ -335,8 +335,11 @@ class AsyncRolloutClient:
 
     # --- inference servers, applied by every worker of the node -------------------------------
 
-    async def add_inference_server(self, address: str) -> dict[str, Any]:
-        return (await self.request("inference.add_server", {"address": address})).result
+    async def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
+        """Every worker of the node adds ``address``; ``api_key`` is its bearer token when it is
+        not the node's own ``inference_api_key``."""
+        args = {"address": address, **({"api_key": api_key} if api_key else {})}
+        return (await self.request("inference.add_server", args)).result
 
     async def remove_inference_server(self, address: str) -> dict[str, Any]:
         return (await self.request("inference.remove_server", {"address": address})).result

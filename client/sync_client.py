@@ -72,8 +72,8 @@ class RolloutClient:
     def cancel(self, request_id: str) -> None:
         self._run(self._async.cancel(request_id))
 
-    def add_inference_server(self, address: str) -> dict[str, Any]:
-        return self._run(self._async.add_inference_server(address))
+    def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
+        return self._run(self._async.add_inference_server(address, api_key))
 
     def remove_inference_server(self, address: str) -> dict[str, Any]:
         return self._run(self._async.remove_inference_server(address))

@@ -43,6 +43,13 @@ class MessageTooLarge(BadRequest):
     code = "MESSAGE_TOO_LARGE"
 
 
+class InvalidBody(BadRequest):
+    """An HTTP body that is not the route's JSON object (bad JSON, a missing or mistyped field);
+    ``details["errors"]`` lists each fault as ``{"type", "loc", "msg"}``, the way FastAPI answers 422."""
+
+    code = "INVALID_BODY"
+
+
 class DuplicateRequest(RolloutdError, ValueError):
     code = "DUPLICATE_REQUEST"
 
@@ -195,6 +202,14 @@ class ContextLengthExceeded(InferenceRejected):
 
 class TaskError(RolloutdError, ValueError):
     code = "TASK"
+
+
+class SpecialTokenInContent(TaskError):
+    """Text the model did not write (tool output, a task's instructions, a harness's message)
+    holds an added token's text and the trajectory's ``content_special_tokens`` is ``reject``;
+    ``details`` names the ``token`` and the message's ``role``."""
+
+    code = "SPECIAL_TOKEN"
 
 
 class AgentError(RolloutdError, RuntimeError):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
-                            "error"})
+                            "special_token", "error"})
 INFRA_KINDS = frozenset({"sandbox", "inference", "daemon"})
 """What ``ended_by`` names when infrastructure ended a trajectory: the daemon refills these."""
 ENDED_BY = frozenset({"model", "client", "request", "task", "agent"}) | INFRA_KINDS
@@ -64,7 +64,8 @@ class Trajectory:
     """float32, the server's log-probability of each model token; 0.0 where the mask is 0."""
     reward: float
     finish_reason: str
-    """``completed``, ``max_turns``, ``max_tokens``, ``timeout``, ``cancelled`` or ``error``."""
+    """``completed``, ``max_turns``, ``max_tokens``, ``context_length``, ``timeout``, ``cancelled``,
+    ``special_token`` (see ``content_special_tokens``) or ``error``."""
     num_turns: int
     turns: list[TurnRecord] = field(default_factory=list)
     error_code: str | None = None

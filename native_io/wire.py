@@ -150,6 +150,9 @@ class RolloutArgs(RolloutOptions):
 class InferenceServerArgs:
     address: str
     """e.g. ``http://host:8000`` (protocol detected), ``vllm+http://...``, ``sglang+http://...``."""
+    api_key: str = ""
+    """Bearer token for this server (``inference.add_server``); empty = the node's
+    ``inference_api_key``. Never part of a reply or the status."""
 
 
 @dataclass

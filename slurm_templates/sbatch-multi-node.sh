@@ -40,7 +40,7 @@ TRAINER_CMD=${TRAINER_CMD:?set TRAINER_CMD to the command that runs your trainer
 ROLLOUTD=${ROLLOUTD:-rolloutd}                  # the rolloutd program on the compute nodes
 ROLLOUTD_PYTHON=${ROLLOUTD_PYTHON:-python3}      # a Python with rolloutd installed
 KEYS_DIR=$HOME/.rolloutd/keys                   # made once, see above
-ROUTER_RUN_DIR=/tmp/rolloutd-router-$SLURM_JOB_ID
+INFERENCE_API_KEY=${INFERENCE_API_KEY:-}         # the servers' bearer token, when they ask for one
 # ---------------------------------------------------------------------------------------------
 
 : "${ROLLOUTD_ROUTER:?no router address: ask the admin to set ROUTER_PORT_BASE in the rolloutd Slurm config}"
@@ -52,6 +52,11 @@ gpu_nodes=$(IFS=,; echo "${nodes[*]:1}")
 
 [ -r "$KEYS_DIR/router.key_secret" ] && [ -d "$KEYS_DIR/nodes" ] || {
   echo "no CURVE keys in $KEYS_DIR: see the top of this file" >&2; exit 1; }
+
+# The router's private folder on this (the first) node: made fresh and 0700 by mktemp, so no
+# other user can have created it first.
+ROUTER_RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/rolloutd-router-$SLURM_JOB_ID.XXXXXX")
+trap 'rm -rf -- "$ROUTER_RUN_DIR"' EXIT
 
 # 1. The router on the first node, as a job step: it ends with the job. Nodes join over TCP with
 # their keys; the trainer, on the same host, uses the router's private ipc socket.
@@ -82,7 +87,23 @@ for url in sys.argv[2:]:
 print("inference servers up:", " ".join(sys.argv[2:]))
 EOF
 
+# The node daemons started before this script: the router hands each server to all of them.
+INFERENCE_API_KEY=$INFERENCE_API_KEY ROLLOUTD_ADDRESS="ipc://$ROUTER_RUN_DIR/router.sock" \
+  "$ROLLOUTD_PYTHON" - "$INFERENCE_READY_TIMEOUT_S" "${servers[@]}" <<'EOF'
+import os, sys, time
+from rolloutd.client.sync_client import RolloutClient
+deadline = time.monotonic() + float(sys.argv[1])
+while not os.path.exists(os.environ["ROLLOUTD_ADDRESS"][len("ipc://"):]):
+    if time.monotonic() > deadline:
+        sys.exit(f"the router did not come up; see router-{os.environ['SLURM_JOB_ID']}.log")
+    time.sleep(1)
+with RolloutClient() as c:
+    for url in sys.argv[2:]:
+        c.add_inference_server(url, os.environ.get("INFERENCE_API_KEY") or None)
+print("node daemons send model turns to:", " ".join(sys.argv[2:]))
+EOF
+
 # 3. The trainer on the first node talks to the router, which spreads rollouts over every node's
-# daemon (it registers the inference servers through the client: add_inference_server).
+# daemon.
 srun --nodes=1 --ntasks=1 --nodelist="$head" --overlap \
   env ROLLOUTD_ADDRESS="ipc://$ROUTER_RUN_DIR/router.sock" bash -c "exec $TRAINER_CMD"

@@ -76,8 +76,8 @@ class RecordingContext(SandboxAgentContext):
         self.results = []
         self.server = None
 
-    async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
-        result = await super().generate(prompt_ids, max_tokens=max_tokens)
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, top_logprobs: int = 0) -> GenerateResult:
+        result = await super().generate(prompt_ids, max_tokens=max_tokens, top_logprobs=top_logprobs)
         self.results.append(result)
         return result
 

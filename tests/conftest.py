@@ -68,3 +68,6 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+# The real Slurm cluster of the `slurm` tests (test_slurm.py, test_slurm_attacks.py), set up once.
+from slurm_support import slurm, slurm_cluster  # noqa: E402,F401

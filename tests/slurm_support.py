@@ -8,20 +8,29 @@ jobs, submit as ``TEST_USER``, and check what the node daemon left behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import re
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from os_users import ensure_test_user
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "start-test-slurm"
 CLIENT = Path(__file__).with_name("slurm_job_client.py")
 CLUSTER_DIR = Path(os.environ.get("ROLLOUTD_TEST_SLURM_DIR", "/tmp/rld-slurm"))
-RUN_BASE = Path("/tmp/rld-sj")
+RUN_BASE = Path("/run/rld-sj")
+PY = sys.executable
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 
@@ -200,3 +209,54 @@ def wait_for_file(path: Path, timeout_s: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear within {timeout_s} s")
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    user = ensure_test_user()
+    probe = subprocess.run(["runuser", "-u", user.pw_name, "--", PY, "-c", "import rolloutd.client"],
+                           capture_output=True, text=True, cwd="/tmp")
+    assert probe.returncode == 0, (
+        f"user {user.pw_name} cannot import rolloutd from {PY}: make the checkout and its venv readable "
+        f"(chmod o+rX on every parent folder): {probe.stderr[-500:]}"
+    )
+    env = script_env()
+    started_here = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True).returncode != 0
+    # Also run when it is up: setup installs the current hooks.
+    setup = subprocess.run([str(SCRIPT), "setup"], env=env, capture_output=True, text=True, timeout=600)
+    assert setup.returncode == 0, f"scripts/start-test-slurm setup failed:\n{setup.stderr[-3000:]}"
+    try:
+        yield SlurmCluster(user=user, host=socket.gethostname().split(".")[0])
+    finally:
+        if started_here:
+            subprocess.run([str(SCRIPT), "teardown"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The cluster with the default hook config; afterwards no job of the test is left and the node is idle."""
+    slurm_cluster.write_hook_config()
+    yield slurm_cluster
+    slurm_cluster.write_hook_config()
+    leftover = slurm_cluster.root("squeue", "-h", "-u", slurm_cluster.user.pw_name, "-o", "%i").stdout.split()
+    for job in leftover:
+        slurm_cluster.root("scancel", job, check=False)
+        slurm_cluster.wait_done(int(job))
+    assert leftover == [], f"the test left jobs {leftover}"
+    slurm_cluster.wait_node_idle()
+
+
+def hold_script(folder: Path, command: str = "echo hi; id -u") -> str:
+    """A batch script that reports through the client, then waits for ``folder/release``."""
+    return (f"{PY} {CLIENT} '{command}' > {folder}/report.json 2> {folder}/client.err\n"
+            f"touch {folder}/ready\n"
+            f"while [ ! -e {folder}/release ]; do sleep 0.2; done\n")
+
+
+def read_report(folder: Path, job: int) -> dict[str, Any]:
+    wait_for_file(folder / "ready")
+    text = (folder / "report.json").read_text()
+    assert text, f"the job's client failed: {(folder / 'client.err').read_text()[-2000:]}"
+    report: dict[str, Any] = json.loads(text)
+    assert report["job"] == str(job)
+    return report

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken
 from agent_support import call, reference_tokenizer, tool_schemas
+from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import ChatFraming, TokenCodec, TokenLedger, framing_for
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.policy.model import default_model
@@ -201,24 +202,29 @@ def test_template_that_reads_the_base_contents_gets_its_own_framing() -> None:
     assert _framing_facts(framing) == _framing_facts(ChatFraming(tok, BASE, TOOLS, codec))
 
 
-def _ledger(tok: Any, base: list[dict[str, str]]) -> TokenLedger:
-    return TokenLedger(tok, base, TOOLS, max_total_tokens=100_000)
+def _ledger(tok: Any, base: list[dict[str, str]], mode: str = "special") -> TokenLedger:
+    return TokenLedger(tok, base, TOOLS, max_total_tokens=100_000, content=ContentText(tok, mode))
 
 
-def _whole_prompt(tok: Any, base: list[dict[str, str]]) -> list[int]:
-    text = tok.apply_chat_template(base, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    return tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+def _whole_prompt(tok: Any, base: list[dict[str, str]], mode: str = "special") -> list[int]:
+    """The prompt encoded in one piece (``special``: as the tokenizer does; ``text``: the content
+    escaped, then encoded in one call, with no shared framing or cached head)."""
+    content = ContentText(tok, mode)
+    text = tok.apply_chat_template(content.escape_messages(base), tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=True)
+    return content.encode(text)
 
 
-def test_prompts_sharing_a_system_message_encode_as_a_whole() -> None:
+@pytest.mark.parametrize("mode", ["special", "text"])
+def test_prompts_sharing_a_system_message_encode_as_a_whole(mode: str) -> None:
     tok = load_tokenizer()
     system = {"role": "system", "content": "Rules, shared by every rollout. é ✓  "}
     users = ["Task id: a\nFix it.", "  leading spaces, <|im_end|> inside, and <tool_call> too\n",
              "Task id: b\n" + "long issue text " * 200, ""]
     for content in users * 2:  # the second round takes the head from the cache
         base = [system, {"role": "user", "content": content}]
-        ledger = _ledger(tok, base)
-        assert ledger.prompt_ids.tolist() == _whole_prompt(tok, base), content[:40]
+        ledger = _ledger(tok, base, mode)
+        assert ledger.prompt_ids.tolist() == _whole_prompt(tok, base, mode), content[:40]
     heads = list(ledger.framing._shape._head_ids)
     assert len(heads) == 1 and system["content"] in heads[0], "the system message's ids were not kept"
 

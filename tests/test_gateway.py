@@ -22,8 +22,9 @@ import pytest
 import uvloop
 
 from daemon_fixtures import node_daemon
+from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.mapping import DataSources
-from rolloutd.daemon.gateway.server import Listen, serve_gateway
+from rolloutd.daemon.gateway.server import serve_gateway
 from rolloutd.daemon.gateway.service import GatewayConfig
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.tasks.datasets import oracle_plans
@@ -59,9 +60,11 @@ def stack() -> Iterator[tuple[str, str]]:
 
 
 @asynccontextmanager
-async def gateway(address: str, *, timeout_s: float = 60.0, wait_s: float | None = None) -> AsyncIterator[Any]:
-    config = GatewayConfig(address=address, timeout_s=timeout_s, process_wait_s=wait_s, sources=DataSources())
-    async with serve_gateway(config, Listen("127.0.0.1", 0), TOKEN) as (url, gw):
+async def gateway(address: str, *, timeout_s: float = 60.0, wait_s: float | None = None,
+                  prorl: bool = True) -> AsyncIterator[Any]:
+    config = GatewayConfig(address=address, timeout_s=timeout_s, process_wait_s=wait_s, sources=DataSources(),
+                           prorl=prorl)
+    async with serve_gateway(config, Listen("127.0.0.1", 0), Access(TOKEN)) as (url, gw):
         async with aiohttp.ClientSession(url) as session:
             yield Http(session), gw
 
@@ -142,11 +145,11 @@ async def test_process_a_bundled_task_and_an_inline_one(stack: tuple[str, str]) 
 
 async def test_bad_requests_are_400(stack: tuple[str, str]) -> None:
     address, url = stack
-    async with gateway(address) as (http, _):
+    async with gateway(address, prorl=False) as (http, _):
         await http("POST", "/add_llm_server", {"address": url})
         await http("POST", "/start")
         status, body = await http("POST", "/process", raw=b'{"instance": {"data_source": ')
-        assert (status, body["code"]) == (400, "BAD_REQUEST") and "not valid JSON" in body["detail"]
+        assert (status, body["code"]) == (400, "INVALID_BODY") and "JSON decode error" in body["detail"]
         assert (await http("POST", "/process", raw=b"[1, 2]"))[0] == 400
         status, body = await http("POST", "/process", {"instance": {"data_source": "no-such-source", "instance_id": "x"},
                                                        "sampling_params": {}})
@@ -247,6 +250,7 @@ def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
     address, url = stack
     token_file = short_tmp / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     cmd = [sys.executable, "-m", "rolloutd.cli.main", "gateway", "--token-file", str(token_file), "--address", address]
     refused = subprocess.run([*cmd, "--bind", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "not a loopback address" in refused.stderr and "--allow-remote" in refused.stderr

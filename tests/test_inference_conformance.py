@@ -104,7 +104,7 @@ def test_documented_responses_parse_to_ids_and_logprobs(name: str, parse: Any) -
 
 
 def test_vllm_weight_versions_become_the_results_spans() -> None:
-    ids, logprobs, finish, spans = vllm_http.parse_generate_response(fixture("vllm_generate_response"), "v")
+    ids, logprobs, finish, spans, _ = vllm_http.parse_generate_response(fixture("vllm_generate_response"), "v")
     result = checked_result(ids, logprobs, finish, params=SamplingParams(max_tokens=8), server="v", what="x",
                             weight_spans=spans)
     assert result.weight_version == "step-3" and [(s.version, s.start, s.end) for s in result.weight_spans] == [

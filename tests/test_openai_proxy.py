@@ -5,10 +5,7 @@ retries, limits, refused requests, log-probabilities."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,96 +13,17 @@ import numpy as np
 import openai
 import pytest
 
-from agent_support import API_KEY, call, reference_tokenizer
+from agent_support import reference_tokenizer
+from openai_proxy_inprocess import KEY, MODEL, PLANS, as_sent, conversation, httpx, proxy, tool_result, turn
 from openai_proxy_support import BASH_TOOL, check_segment_fidelity, decode
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.daemon.inference.base import GenerateResult, SamplingParams
-from rolloutd.daemon.inference.pool import ServerPool
-from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
-from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
-from rolloutd.daemon.policy.scripted import ScriptedPlans
-from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
-from rolloutd.native_io.errors import InferenceError
-
-try:
-    import httpx2 as httpx
-except ImportError:  # older SDKs use httpx
-    import httpx  # type: ignore[no-redef]
-
-KEY = "proxy-test-key"
-MODEL = "test-policy"
-PLANS = {
-    "p-1": [call("bash", "I will list the files.", command="ls"), call("bash", "And the notes.", command="cat notes"),
-            "Done."],
-    "p-2": ["Second conversation, first reply.", "Second conversation, second reply."],
-}
-
-
-@dataclass
-class Proxy:
-    client: openai.AsyncOpenAI
-    session: ProxySession
-    server: OpenAIProxyServer
-    results: list[GenerateResult] = field(default_factory=list)
-    fail_next: int = 0
-    """Model turns that fail (InferenceError) before reaching the server."""
-
-
-@contextlib.asynccontextmanager
-async def proxy(state: Path, *, key: str = KEY, max_retries: int = 0, **limits: Any) -> AsyncIterator[Proxy]:
-    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=ScriptedPlans(PLANS))) as policy, \
-            await ServerPool.create([policy.url], api_key=API_KEY, health_interval_s=0) as pool:
-        holder: list[Proxy] = []
-
-        async def generate(ids: list[int], max_tokens: int) -> GenerateResult:
-            p = holder[0]
-            if p.fail_next:
-                p.fail_next -= 1
-                raise InferenceError("injected failure: every server failed this turn")
-            result = await pool.generate(ids, SamplingParams(max_tokens=max_tokens, seed=0), trajectory_id="t",
-                                         timeout_s=30)
-            p.results.append(result)
-            return result
-
-        session = ProxySession(generate, reference_tokenizer(), model=MODEL, limits=ProxyLimits(**limits))
-        server = OpenAIProxyServer(session, api_key=KEY, socket_path=state / "api.sock")
-        await server.start()
-        client = openai.AsyncOpenAI(api_key=key, base_url="http://localhost/v1", max_retries=max_retries,
-                                    http_client=openai.DefaultAsyncHttpxClient(
-                                        transport=httpx.AsyncHTTPTransport(uds=str(state / "api.sock"))))
-        holder.append(Proxy(client, session, server))
-        try:
-            yield holder[0]
-        finally:
-            await client.close()
-            await server.close()
-
-
-def conversation(task: str = "p-1") -> list[dict[str, Any]]:
-    return [{"role": "system", "content": "You are a test agent."},
-            {"role": "user", "content": f"Task id: {task}\nLook around."}]
-
-
-def as_sent(message: Any) -> dict[str, Any]:
-    """A reply as a harness sends it back."""
-    return message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"})
-
-
-async def turn(p: Proxy, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-    reply = await p.client.chat.completions.create(model=MODEL, messages=messages, tools=[BASH_TOOL], **kwargs)
-    return reply.choices[0]
-
-
-def tool_result(choice: Any, content: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": content}
-
 
 async def test_openai_proxy_auth_and_models(short_tmp: Path) -> None:
     async with proxy(short_tmp) as p:
         assert [m.id for m in (await p.client.models.list()).data] == [MODEL]
         assert (await p.client.models.retrieve(MODEL)).owned_by == "rolloutd"
-        with pytest.raises(openai.NotFoundError):
-            await p.client.models.retrieve("gpt-4o")
+        # Chat serves any model name, so every name is a model.
+        assert (await p.client.models.retrieve("gpt-4o")).id == "gpt-4o"
         for wrong in ("not-the-key", KEY + "x"):
             intruder = p.client.with_options(api_key=wrong)
             with pytest.raises(openai.AuthenticationError) as e:
@@ -279,9 +197,17 @@ async def test_openai_proxy_refuses_what_it_cannot_serve(short_tmp: Path) -> Non
                                       headers={"Authorization": f"Bearer {KEY}"})
         assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
         assert p.results == [] and p.session.history.segments == []
-        # Sampling fields are accepted and reported, not applied: the trainer's sampling rules.
-        await turn(p, conversation(), temperature=0.1, top_p=0.5, stop=["x"])
-        assert p.session.outcome("completed").metrics["ignored_request_fields"] == ["stop", "temperature", "top_p"]
+        # Sampling fields cannot be applied (the trainer's sampling rules): refused, naming the field.
+        with pytest.raises(openai.BadRequestError) as e:
+            await turn(p, conversation(), temperature=0.1, top_p=0.5)
+        assert e.value.param == "temperature" and e.value.code == "unsupported_parameter"
+        assert p.results == []
+        # Fields that ask nothing of the reply are accepted.
+        await turn(p, conversation(), user="me", metadata={"run": "1"}, store=False)
+        # Accepted and reported where the agent's unapplied_fields setting allows it.
+        p.session.unapplied_fields = "report"
+        await turn(p, conversation(), temperature=0.1, top_p=0.5, user="me")
+        assert p.session.outcome("completed").metrics["ignored_request_fields"] == ["temperature", "top_p"]
 
 
 async def test_openai_proxy_logprobs_and_usage(short_tmp: Path) -> None:
@@ -290,8 +216,10 @@ async def test_openai_proxy_logprobs_and_usage(short_tmp: Path) -> None:
                                                       logprobs=True)
         (result,) = p.results
         content = reply.choices[0].logprobs.content
-        assert "".join(c.token for c in content) == decode(result.token_ids)
-        assert np.allclose([c.logprob for c in content], result.logprobs, atol=1e-6)
+        # The reply's tokens: the end-of-turn token that closed it is not content.
+        assert result.token_ids[-1] == reference_tokenizer().convert_tokens_to_ids("<|im_end|>")
+        assert "".join(c.token for c in content) == decode(result.token_ids[:-1])
+        assert np.allclose([c.logprob for c in content], result.logprobs[:-1], atol=1e-6)
         ledger = p.session.history.segments[0].ledger
         assert reply.usage.prompt_tokens == len(ledger.prompt_ids)
         assert reply.usage.completion_tokens == len(result.token_ids)

@@ -201,7 +201,7 @@ def test_bad_requests_get_400_with_a_reason() -> None:
                 ({"token_ids": [], "sampling_params": {"max_tokens": 4}}, "at least one token"),
                 ({"token_ids": [1, 99999], "sampling_params": {"max_tokens": 4}}, "lie in"),
                 ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "max_tokens"),
-                ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "logprobs": 5}}, "logprobs=0"),
+                ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "logprobs": 21}}, "from 0 to 20"),
                 ({"token_ids": [1], "sampling_params": {"max_tokens": 40000}}, "context"),
                 ({"token_ids": [1], "stream": True}, "stream"),
             ]
@@ -240,6 +240,30 @@ def test_server_process_prints_ready_and_stops_on_sigterm() -> None:
     no_key = subprocess.run([sys.executable, "-m", "rolloutd.daemon.policy.server"], capture_output=True, text=True,
                             env={k: v for k, v in os.environ.items() if k != "ROLLOUTD_POLICY_API_KEY"}, timeout=60)
     assert no_key.returncode == 2 and "ROLLOUTD_POLICY_API_KEY" in no_key.stderr and no_key.stdout == ""
+
+
+def test_generate_reports_the_models_top_logprobs() -> None:
+    """Through the vLLM backend: at every position the k most likely tokens and their
+    log-probabilities, recomputed from the model's full next-token distribution."""
+    async def scenario() -> Any:
+        async with policy_server() as srv:
+            backend = VLLMHTTPBackend(srv.url, api_key=API_KEY)
+            try:
+                return await backend.generate(PROMPT, SamplingParams(max_tokens=12, seed=5, top_logprobs=3),
+                                              request_id="top", timeout_s=30)
+            finally:
+                await backend.close()
+    result = run(scenario())
+    assert result.top_ids is not None and result.top_logprobs is not None
+    assert result.top_ids.shape == result.top_logprobs.shape == (len(result.token_ids), 3)
+    model = default_model()
+    full = [*PROMPT, *result.token_ids.tolist()]
+    expected = model.next_logprobs(model.contexts(full)[len(PROMPT):len(full)])
+    for i, row in enumerate(expected):
+        order = np.argsort(-row, kind="stable")[:3]
+        assert result.top_ids[i].tolist() == order.tolist()
+        assert np.allclose(result.top_logprobs[i], row[order], atol=1e-5)
+        assert result.top_logprobs[i][0] >= result.logprobs[i] - 1e-6  # the best is at least the sampled one
 
 
 def test_pause_keep_freezes_and_resume_continues() -> None:

@@ -8,84 +8,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from os_users import ensure_test_user
-from support.net import free_port
 from slurm_support import (
     CLIENT,
     CLUSTER_DIR,
     RUN_BASE,
-    SCRIPT,
+    PY,
     SlurmCluster,
+    hold_script,
     pipes_shared_outside_session,
-    script_env,
-    wait_for_file,
+    read_report,
 )
+from support.net import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.unprivileged]
 
-PY = sys.executable
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm_templates"
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    user = ensure_test_user()
-    probe = subprocess.run(["runuser", "-u", user.pw_name, "--", PY, "-c", "import rolloutd.client"],
-                           capture_output=True, text=True, cwd="/tmp")
-    assert probe.returncode == 0, (
-        f"user {user.pw_name} cannot import rolloutd from {PY}: make the checkout and its venv readable "
-        f"(chmod o+rX on every parent folder): {probe.stderr[-500:]}"
-    )
-    env = script_env()
-    started_here = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True).returncode != 0
-    # Also run when it is up: setup installs the current hooks.
-    setup = subprocess.run([str(SCRIPT), "setup"], env=env, capture_output=True, text=True, timeout=600)
-    assert setup.returncode == 0, f"scripts/start-test-slurm setup failed:\n{setup.stderr[-3000:]}"
-    try:
-        yield SlurmCluster(user=user, host=socket.gethostname().split(".")[0])
-    finally:
-        if started_here:
-            subprocess.run([str(SCRIPT), "teardown"], env=env, capture_output=True, timeout=120)
-
-
-@pytest.fixture
-def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The cluster with the default hook config; afterwards no job of the test is left and the node is idle."""
-    slurm_cluster.write_hook_config()
-    yield slurm_cluster
-    slurm_cluster.write_hook_config()
-    leftover = slurm_cluster.root("squeue", "-h", "-u", slurm_cluster.user.pw_name, "-o", "%i").stdout.split()
-    for job in leftover:
-        slurm_cluster.root("scancel", job, check=False)
-        slurm_cluster.wait_done(int(job))
-    assert leftover == [], f"the test left jobs {leftover}"
-    slurm_cluster.wait_node_idle()
-
-
-def hold_script(folder: Path, command: str = "echo hi; id -u") -> str:
-    """A batch script that reports through the client, then waits for ``folder/release``."""
-    return (f"{PY} {CLIENT} '{command}' > {folder}/report.json 2> {folder}/client.err\n"
-            f"touch {folder}/ready\n"
-            f"while [ ! -e {folder}/release ]; do sleep 0.2; done\n")
-
-
-def read_report(folder: Path, job: int) -> dict[str, Any]:
-    wait_for_file(folder / "ready")
-    text = (folder / "report.json").read_text()
-    assert text, f"the job's client failed: {(folder / 'client.err').read_text()[-2000:]}"
-    report: dict[str, Any] = json.loads(text)
-    assert report["job"] == str(job)
-    return report
 
 
 def test_batch_job_and_its_tasks_use_the_daemon(slurm: SlurmCluster, short_tmp: Path) -> None:
@@ -169,12 +111,13 @@ def test_bad_config_drains_the_node_with_the_reason(slurm: SlurmCluster, short_t
     if broken == "hook-config":
         slurm.write_hook_config(lines=["WORKERZ=2"])
         expected = "unknown key WORKERZ"
-    else:  # the hooks' file is fine, but `rolloutd node start` refuses the node settings
+    else:  # the hooks' file is fine, but `rolloutd node check` (run as nobody) refuses the node settings
         node_config = short_tmp / "node.toml"
         node_config.write_text("max_sandboxes = 3\n")
         node_config.chmod(0o644)
+        short_tmp.chmod(0o755)
         slurm.write_hook_config(NODE_CONFIG=str(node_config))
-        expected = ("rolloutd node start failed (exit 2): rolloutd: error [CONFIG]: "
+        expected = (f"NODE_CONFIG {node_config} is refused: rolloutd: error [CONFIG]: "
                     "node config: unknown field(s) ['max_sandboxes']")
     job = slurm.sbatch(folder, "echo should not run\n")
     try:
@@ -240,20 +183,31 @@ def test_job_with_apptainer_sandboxes(slurm: SlurmCluster, short_tmp: Path) -> N
 
 
 def test_single_node_template(slurm: SlurmCluster, short_tmp: Path) -> None:
-    """slurm_templates/sbatch-single-node.sh as shipped, with the reference CPU policy standing in
-    for vLLM and the test client for the trainer."""
+    """slurm_templates/sbatch-single-node.sh as shipped, with the reference CPU policy (scripted,
+    key-protected) standing in for vLLM and the test client for the trainer: the template hands
+    the server and its key to the prolog's daemon, and a rollout runs end to end through it."""
+    from rolloutd.daemon.tasks.datasets import oracle_plans
+
     folder = slurm.job_dir(short_tmp)
+    plans = folder / "plans.json"
+    plans.write_text(json.dumps({"plans": oracle_plans()}))
+    plans.chmod(0o644)
+    task = sorted(oracle_plans())[0]
     port = free_port()
     rolloutd = Path(PY).with_name("rolloutd")
     job = slurm.sbatch(folder, TEMPLATES / "sbatch-single-node.sh", "--cpus-per-task=1", "--gres=none", env={
         "INFERENCE_PORT": str(port),
-        "INFERENCE_CMD": f"{rolloutd} policy-server --port {port} --api-key test",
-        "TRAINER_CMD": f"{PY} {CLIENT}",
+        "INFERENCE_CMD": f"{rolloutd} policy-server --port {port} --scripted {plans}",
+        "INFERENCE_API_KEY": "sekrit-of-this-job",
+        "TRAINER_CMD": f"env ROLLOUTD_POLICY_API_KEY= ROLLOUTD_TEST_ROLLOUT_TASK={task} {PY} {CLIENT}",
+        "ROLLOUTD_POLICY_API_KEY": "sekrit-of-this-job",
         "ROLLOUTD_PYTHON": PY,
     })
     out = folder / f"{job}.out"
-    assert slurm.wait_done(job) == "COMPLETED", out.read_text()
+    assert slurm.wait_done(job, timeout_s=240) == "COMPLETED", out.read_text()
     report = json.loads(out.read_text().strip().splitlines()[-1])
     assert report["inference_health"] == [200]
     assert report["output"] == f"hi\n{slurm.user.pw_uid}\n"
+    assert report["rollout"] == {"task": task, "reward": 1.0, "ended_by": "model", "turns": report["rollout"]["turns"]}
+    assert report["rollout"]["turns"] >= 1
     slurm.assert_daemon_gone(RUN_BASE / f"job{job}", report["daemon_pid"])

@@ -22,8 +22,11 @@ from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 from rolloutd.native_io.wire import ExecuteResult
 
+from .content_text import check_mode
+
 TEMPLATE_CHECKS = ("every_turn", "final", "off")
-AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled"})
+AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
+                                  "special_token"})
 _AGENT_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
@@ -50,9 +53,15 @@ class AgentContext(Protocol):
     def has_ipython(self) -> bool:
         """True when the sandbox has an IPython kernel (otherwise do not offer the tool)."""
 
-    async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
+    @property
+    def content_special_tokens(self) -> str:
+        """The node's default for how text the model did not write treats added tokens' text
+        (``text``, ``reject`` or ``special``; see :mod:`rolloutd.daemon.agents.content_text`)."""
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, top_logprobs: int = 0) -> GenerateResult:
         """One model turn for ``prompt_ids`` (the whole sequence so far), of at most
-        ``max_tokens`` and at most the request's own ``sampling.max_tokens``. Raises
+        ``max_tokens`` and at most the request's own ``sampling.max_tokens``, with the
+        ``top_logprobs`` most likely tokens at each position where the backend reports them. Raises
         OperationTimeout once the trajectory's deadline has passed, ContextLengthExceeded when
         the server refuses the sequence as longer than its window."""
 
@@ -87,6 +96,11 @@ class AgentConfig:
     template_check: str = "final"
     """``every_turn``: re-render the conversation after each turn and check the template is
     append-only (costs a full render per turn); ``final``: check once at the end; ``off``."""
+    content_special_tokens: str | None = None
+    """How added tokens' text (``<|im_end|>``) in tool output, the task and other non-model text
+    is encoded: ``text`` (as ordinary text), ``reject`` (the trajectory ends with finish reason
+    ``special_token``), ``special`` (as the added token: the sandbox can forge the template);
+    None: the node's ``content_special_tokens``."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "max_tokens_per_turn", "observation_max_chars"):
@@ -104,6 +118,8 @@ class AgentConfig:
         if self.template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"agent config template_check must be one of {TEMPLATE_CHECKS}, "
                               f"got {self.template_check!r}")
+        if self.content_special_tokens is not None:
+            check_mode(self.content_special_tokens, "agent config content_special_tokens")
 
 
 @dataclass
@@ -120,7 +136,9 @@ class AgentOutcome:
     """float32, the server's log-probability of each generated token; 0.0 where the mask is 0."""
     finish_reason: str
     """``completed`` (the model called submit), ``max_turns``, ``max_tokens``, ``timeout`` (the
-    trajectory's deadline passed) or ``cancelled`` (the server aborted a turn)."""
+    trajectory's deadline passed), ``cancelled`` (the server aborted a turn) or ``special_token``
+    (non-model text held an added token's text under ``content_special_tokens = "reject"``;
+    ``metrics["special_token_rejected"]`` names it)."""
     num_turns: int
     turns: list[TurnRecord] = field(default_factory=list)
     tools: dict[str, ToolStats] = field(default_factory=dict)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from rolloutd.daemon.openai_proxy import sandbox_forwarder
 from rolloutd.daemon.openai_proxy.history import KEEP_MODES
+from rolloutd.daemon.openai_proxy.protocol import UNAPPLIED_MODES
 from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
 from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
 from rolloutd.native_io.errors import AgentError, ConfigError
@@ -47,6 +48,7 @@ from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 from .base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
 from .codeact import user_prompt
+from .content_text import check_mode
 from .context import SandboxAgentContext
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,13 @@ class BlackBoxConfig:
     template_check: str = "final"
     """As the built-in agent's: check that the chat template is append-only (``every_turn``,
     ``final`` or ``off``)."""
+    content_special_tokens: str | None = None
+    """As the built-in agent's, for every message the harness sends (``text``, ``reject``: the
+    request is refused and the trajectory ends with ``special_token``, ``special``); None: the node's."""
+    unapplied_fields: str = "refuse"
+    """Request fields the proxy cannot apply (sampling fields such as ``temperature``: the
+    trainer's sampling rules every turn): ``refuse`` answers 400 naming the field, ``report``
+    accepts them and lists them in ``metrics["ignored_request_fields"]``."""
     allow_nonzero_exit: bool = False
     """Treat a harness that exits with a non-zero status as completed instead of an error."""
     output_tail_bytes: int = 4000
@@ -103,9 +112,14 @@ class BlackBoxConfig:
         if self.keep_segments not in KEEP_MODES:
             raise ConfigError(f"blackbox agent config: keep_segments must be one of {KEEP_MODES}, "
                               f"got {self.keep_segments!r}")
+        if self.unapplied_fields not in UNAPPLIED_MODES:
+            raise ConfigError(f"blackbox agent config: unapplied_fields must be one of {UNAPPLIED_MODES}, "
+                              f"got {self.unapplied_fields!r}")
         if self.template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"blackbox agent config: template_check must be one of {TEMPLATE_CHECKS}, "
                               f"got {self.template_check!r}")
+        if self.content_special_tokens is not None:
+            check_mode(self.content_special_tokens, "blackbox agent config: content_special_tokens")
         if not isinstance(self.model_name, str) or not self.model_name or "/" in self.model_name:
             raise ConfigError(f"blackbox agent config: model_name must be a non-empty name without '/', "
                               f"got {self.model_name!r}")
@@ -124,9 +138,11 @@ class BlackBoxAgent(Agent):
         folder.mkdir(mode=0o700, exist_ok=True)
         inside = f"{sb.run_dir_inside}/openai"
         key = secrets.token_urlsafe(24)
-        session = ProxySession(lambda ids, n: ctx.generate(ids, max_tokens=n), ctx.tokenizer, model=cfg.model_name,
+        session = ProxySession(lambda ids, n, k: ctx.generate(ids, max_tokens=n, top_logprobs=k), ctx.tokenizer,
+                               model=cfg.model_name,
                                limits=ProxyLimits(cfg.max_requests, cfg.max_context_tokens, cfg.max_tokens_per_turn),
-                               template_check=cfg.template_check)
+                               template_check=cfg.template_check, unapplied_fields=cfg.unapplied_fields,
+                               content_special_tokens=cfg.content_special_tokens or ctx.content_special_tokens)
         server = OpenAIProxyServer(session, api_key=key, socket_path=folder / "api.sock")
         (folder / "task.md").write_text(user_prompt(ctx))
         env = {**cfg.env, "OPENAI_API_KEY": key, "OPENAI_BASE_URL": "http://localhost/v1",

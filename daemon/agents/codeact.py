@@ -14,7 +14,10 @@ sandbox, append the observation's tokens. How a trajectory ends:
   smaller than ``max_context_tokens``) is the limit, or the server refused the sequence as too
   long; every turn so far is kept, and a prompt past the window gives a trajectory of no turns;
 - ``timeout``: the trajectory's deadline passed; ``cancelled``: the server aborted the turn (a
-  weight update with pause mode ``abort``); the partial turn's tokens are kept.
+  weight update with pause mode ``abort``); the partial turn's tokens are kept;
+- ``special_token``: an observation held an added token's text under
+  ``content_special_tokens = "reject"``; it is not appended. A task whose instructions hold one
+  fails instead (SPECIAL_TOKEN, ended by the task).
 
 A turn cut by ``max_tokens_per_turn`` (finish ``length``) has no end-of-turn token; the ledger
 closes it with one as a template token (mask 0) and the model is told its reply was cut off.
@@ -27,10 +30,11 @@ from __future__ import annotations
 import re
 import time
 
-from rolloutd.native_io.errors import ContextLengthExceeded, OperationTimeout, TaskError
+from rolloutd.native_io.errors import ContextLengthExceeded, OperationTimeout, SpecialTokenInContent, TaskError
 from rolloutd.native_io.trajectory import ToolStats
 
 from .base import Agent, AgentContext, AgentOutcome, register_agent
+from .content_text import ContentText
 from .tokens import TokenLedger
 from .tools import Observation, ToolBox
 
@@ -79,9 +83,10 @@ class CodeActAgent(Agent):
                               observation_max_chars=cfg.observation_max_chars)
             base = [{"role": "system", "content": cfg.system_prompt or SYSTEM_PROMPT},
                     {"role": "user", "content": user_prompt(ctx)}]
+            content = ContentText(ctx.tokenizer, cfg.content_special_tokens or ctx.content_special_tokens)
             ledger = TokenLedger(ctx.tokenizer, base, [s.schema() for s in toolbox.specs.values()],
                                  max_total_tokens=cfg.max_context_tokens, template_check=cfg.template_check,
-                                 window=ctx.context_limit())
+                                 window=ctx.context_limit(), content=content)
         setup_cpu_s = cpu.total_s
         stats: dict[str, ToolStats] = {}
         per_turn: list[float] = []
@@ -104,7 +109,8 @@ class CodeActAgent(Agent):
         # Only the last iteration can end before its model turn (deadline, full context): drop it.
         outcome.metrics.update(
             agent_cpu_s=cpu.total_s, agent_setup_cpu_s=setup_cpu_s, agent_final_cpu_s=cpu.total_s - mark,
-            agent_cpu_s_per_turn=per_turn[:outcome.num_turns], **waits)
+            agent_cpu_s_per_turn=per_turn[:outcome.num_turns], **waits,
+            tool_schemas=[s.schema() for s in toolbox.specs.values()])  # what the template showed the model
         return outcome
 
     async def _turn(self, ctx: AgentContext, ledger: TokenLedger, toolbox: ToolBox, cpu: CpuMeter,
@@ -143,8 +149,11 @@ class CodeActAgent(Agent):
         if last:
             return "max_turns"
         with cpu:
-            if not ledger.add_message(observation.role, observation.content):
-                return ledger.full_reason
+            try:
+                if not ledger.add_message(observation.role, observation.content):
+                    return ledger.full_reason
+            except SpecialTokenInContent:
+                return "special_token"
         return None
 
 

@@ -39,6 +39,8 @@ class SandboxAgentContext:
     """``time.monotonic()`` by which the trajectory must end; None: no deadline."""
     inference_timeout_s: float = 600.0
     """Limit of one model turn, all retries included."""
+    content_special_tokens: str = "text"
+    """The node's default for non-model text holding added tokens' text (agents may override it)."""
 
     def __post_init__(self) -> None:
         if not self.workdir:
@@ -61,9 +63,10 @@ class SandboxAgentContext:
                                    "raise the rollout's timeout to give it more time")
         return (left, True) if left < limit else (limit, False)
 
-    async def generate(self, prompt_ids: list[int], *, max_tokens: int) -> GenerateResult:
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, top_logprobs: int = 0) -> GenerateResult:
         limit, by_deadline = self._limit(self.inference_timeout_s, "a model turn")
-        params = dataclasses.replace(self.sampling, max_tokens=min(max_tokens, self.sampling.max_tokens))
+        params = dataclasses.replace(self.sampling, max_tokens=min(max_tokens, self.sampling.max_tokens),
+                                     top_logprobs=top_logprobs)
         try:
             return await self.pool.generate(prompt_ids, params, trajectory_id=self.trajectory_id, timeout_s=limit)
         except InferenceTimeout as e:

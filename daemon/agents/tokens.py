@@ -7,13 +7,19 @@ How the sequence grows::
     close       = <end-of-turn> when the turn did not end with it            mask 0
     observation = encode(separator + framed message + generation prompt)     mask 0
 
+Every message's content passes through :class:`~.content_text.ContentText` on the way in: text
+that looks like an added token (``<|im_end|>`` printed by a tool) is encoded as text, so only the
+template's framing produces added-token ids (see that module).
+
 ``separator`` is what the template writes after an end-of-turn token (``"\\n"`` for ChatML): the
 model's turn stops AT its end-of-turn token, so the separator opens the next message. The framing
 around a message's content is taken once from the template by rendering a fixed base conversation
-(the trajectory's own system and user messages) plus a message holding a placeholder; later
-observations are that framing around their content, so a turn costs a few string joins and one
-encode of the new text, never a render of the history. A template that does not insert content
-verbatim (e.g. trims it) falls back to rendering base + message per observation.
+(the trajectory's own system and user messages) and a closed assistant turn plus a message
+holding a placeholder; later observations are that framing around their content, so a turn costs
+a few string joins and one encode of the new text, never a render of the history. A template
+that does not insert content verbatim (e.g. trims it), or renders a message's ``name`` or
+``tool_call_id``, falls back to rendering base + turn + message per observation; consecutive
+messages are rendered together (Qwen2.5 groups tool results into one user turn).
 
 The framing is learned once per tokenizer, tool list and base roles, from a base conversation
 whose contents are markers (a jinja render costs ~1 ms, and learning takes six). Each trajectory
@@ -47,6 +53,7 @@ from rolloutd.native_io.errors import AgentError, ConfigError
 from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
+from .content_text import ContentText
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +125,7 @@ class ChatFraming:
             raise ConfigError(f"the chat template closes assistant turns with {closing!r} but the base "
                               "conversation differently; cannot split observations at the end-of-turn token")
         self.separator = closing[len(self.eot_text):]
-        self._cut = len(self.base_text) - len(self.separator)
-        self._frames: dict[str, tuple[str, str] | None] = {}
+        self._frames: dict[tuple[str, ...], tuple[str, str] | None] = {}
         self._head_ids: dict[str, np.ndarray] = {}
         # With lstrip, rstrip or single_word, whether the token matches (and what it swallows)
         # depends on the text around it, so the text on one side does not encode alone.
@@ -136,7 +142,6 @@ class ChatFraming:
         self.generation_prompt = shape.generation_prompt
         self.base_text = self.prompt_text[:len(self.prompt_text) - len(self.generation_prompt)]
         self.eot_id, self.eot_text, self.separator = shape.eot_id, shape.eot_text, shape.separator
-        self._cut = len(self.base_text) - len(self.separator)
 
     def render(self, messages: list[Message], *, generation_prompt: bool) -> str:
         try:
@@ -148,7 +153,7 @@ class ChatFraming:
             raise ConfigError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
         return text
 
-    def encode_prompt(self, codec: TokenCodec) -> list[int]:
+    def encode_prompt(self, codec: TokenCodec | ContentText) -> list[int]:
         """``codec.encode(prompt_text)``. A framing shared through :func:`framing_for` keeps the
         ids of the text before the first end-of-turn token: the system message and tool list,
         most of a prompt and the same for every rollout of an agent. The end-of-turn token is an
@@ -178,40 +183,54 @@ class ChatFraming:
         return [*head_ids.tolist(), self.eot_id, *codec.encode(rest)]
 
     def _delta(self, messages: list[Message]) -> str:
-        """Text the template adds after the base for ``messages`` (+ generation prompt), separator first."""
-        rendered = self.render([*self.base, *messages], generation_prompt=True)
-        if not rendered.startswith(self.base_text):
+        """Text the template adds for ``messages`` (+ generation prompt) after the base and a closed
+        assistant turn, separator first. Observations always follow a model turn: without one, a
+        template that groups consecutive tool results (Qwen2.5) would merge them with a base that
+        ends in tool results. The turn is a placeholder: the model's real text could hold a
+        ``<think>`` block that a Qwen3-style template drops once a user message follows, which the
+        template check reports where it happens."""
+        before = [*self.base, {"role": "assistant", "content": _PLACEHOLDERS[0]}]
+        closed = self.render(before, generation_prompt=False)
+        rendered = self.render([*before, *messages], generation_prompt=True)
+        if not rendered.startswith(closed) or not closed.endswith(self.separator):
             raise ConfigError(f"adding a {messages[0]['role']!r} message makes the chat template re-render the "
-                              "system and user messages; observations cannot be appended token by token")
-        return rendered[self._cut:]
+                              "conversation before it; observations cannot be appended token by token")
+        return rendered[len(closed) - len(self.separator):]
 
-    def _frame(self, role: str) -> tuple[str, str] | None:
+    def _frame(self, role: str, extra: tuple[str, ...] = ()) -> tuple[str, str] | None:
+        """(text before, text after) the content of a ``role`` message carrying the fields
+        ``extra`` (``name``, ``tool_call_id``), or None when that message must be rendered: its
+        content is not inserted verbatim, or the template renders one of those fields."""
         if self._shape is not self:
-            return self._shape._frame(role)
-        if role not in self._frames:
+            return self._shape._frame(role, extra)
+        key = (role, *extra)
+        if key not in self._frames:
             found: list[tuple[str, str]] = []
+            fields = {name: f"rolloutd{name}Marker" for name in extra}
             for marker in _PLACEHOLDERS:
-                pre, hit, post = self._delta([{"role": role, "content": marker}]).partition(marker)
-                if hit:
+                pre, hit, post = self._delta([{"role": role, "content": marker, **fields}]).partition(marker)
+                if hit and not any(value in pre + post for value in fields.values()):
                     found.append((pre, post))
             verbatim = len(found) == len(_PLACEHOLDERS) and len(set(found)) == 1
             if not verbatim:
-                log.info("chat template does not insert %r content verbatim; rendering each observation", role)
-            self._frames[role] = found[0] if verbatim else None
-        return self._frames[role]
+                log.info("chat template does not insert %r content verbatim or renders %s; rendering each "
+                         "such observation", role, extra or "no other field")
+            self._frames[key] = found[0] if verbatim else None
+        return self._frames[key]
 
     def message_text(self, role: str, content: str) -> str:
         """Separator + the framed message + the generation prompt, as the template writes them."""
-        frame = self._frame(role)
-        if frame is None:
-            return self._delta([{"role": role, "content": content}])
-        return frame[0] + content + frame[1]
+        return self.messages_text([{"role": role, "content": content}])
 
     def messages_text(self, messages: list[Message]) -> str:
-        """:meth:`message_text` for several messages in a row, rendered together: some templates
-        frame consecutive messages as one group (Qwen2.5 puts consecutive tool results in one turn)."""
+        """:meth:`message_text` for several messages in a row, rendered together after a model
+        turn: some templates frame consecutive messages as one group (Qwen2.5 puts
+        consecutive tool results in one turn), others render a tool result's name or call id."""
         if len(messages) == 1:
-            return self.message_text(messages[0]["role"], messages[0]["content"])
+            extra = tuple(sorted(k for k, v in messages[0].items() if k not in ("role", "content") and v is not None))
+            frame = self._frame(messages[0]["role"], extra)
+            if frame is not None:
+                return frame[0] + messages[0]["content"] + frame[1]
         return self._delta(messages)
 
 
@@ -262,21 +281,25 @@ class TokenLedger:
     """
 
     def __init__(self, tokenizer: Any, base: list[Message], tools: list[dict[str, Any]] | None = None, *,
-                 max_total_tokens: int, template_check: str = "final", window: int | None = None) -> None:
+                 max_total_tokens: int, template_check: str = "final", window: int | None = None,
+                 content: ContentText | None = None) -> None:
         """``max_total_tokens`` is the agent's own budget (a prompt that does not fit it is a
         configuration error); ``window`` the server's context window, which may be smaller: a
-        sequence that reaches it ends the trajectory with finish reason ``context_length``."""
+        sequence that reaches it ends the trajectory with finish reason ``context_length``.
+        ``content`` encodes every message's content (default: a fresh one, special tokens as
+        text); raises SpecialTokenInContent when it rejects the base messages."""
         if template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"template_check must be one of {TEMPLATE_CHECKS}, got {template_check!r}")
         self.codec = TokenCodec(tokenizer)
-        self.framing = framing_for(tokenizer, base, tools, self.codec)
+        self.content = content if content is not None else ContentText(tokenizer)
+        self.framing = framing_for(tokenizer, self.content.escape_messages(base), tools, self.codec)
         self.template_check = template_check
         self.window_binds = window is not None and window < max_total_tokens
         self.max_total_tokens = min(max_total_tokens, window) if window is not None else max_total_tokens
         self._budget = max_total_tokens
         self.messages: list[Message] = [dict(m) for m in base]
         self._n_base = len(base)
-        self.prompt_ids = np.asarray(self.framing.encode_prompt(self.codec), dtype=np.int32)
+        self.prompt_ids = np.asarray(self.framing.encode_prompt(self.content), dtype=np.int32)
         self.ids = GrowingIds(self.prompt_ids.tolist())
         self._n_prompt = len(self.ids)
         self._chunks: list[_Chunk] = []
@@ -285,13 +308,13 @@ class TokenLedger:
         """Response index where each message after the base begins."""
         self._closed = True
         # Template check state: the rendering last verified and how many ids it covered.
-        self._rendered = self.framing.prompt_text
+        self._rendered = self.content.unescape(self.framing.prompt_text)
         self._checked_ids = 0
         self._checked_msgs = len(self.messages)
         self._diverged = False
         self.boundaries: list[int] = []
         self.notes: list[str] = []
-        if template_check == "every_turn" and self.codec.decode(self.ids) != self.framing.prompt_text:
+        if template_check == "every_turn" and self.codec.decode(self.ids) != self._rendered:
             self._diverge(0, "the prompt's tokens do not decode to the rendered prompt (the tokenizer does not "
                              "round-trip it)")
         if self._n_prompt >= self._budget:
@@ -344,8 +367,9 @@ class TokenLedger:
 
     def add_messages(self, messages: list[Message]) -> bool:
         """:meth:`add_message` for several non-assistant messages in a row (parallel tool results,
-        a tool result and a user message), with one generation prompt after the last."""
-        new = self.codec.encode(self.framing.messages_text(messages))
+        a tool result and a user message), with one generation prompt after the last. Raises
+        SpecialTokenInContent, with nothing appended, when ``content`` rejects one."""
+        new = self.content.encode(self.framing.messages_text(self.content.escape_messages(messages)))
         close = [] if self._closed else [self.eot_id]
         if len(close) + len(new) > self.room:
             return False
@@ -354,7 +378,8 @@ class TokenLedger:
             self._closed = True
         self._msg_start.extend([self.response_len] * len(messages))
         self._append_template(new)
-        self.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
+        # Name and call id kept: templates that render them are checked against what they render.
+        self.messages.extend(dict(m) for m in messages)
         if self.template_check == "every_turn":
             self._check_new(generation_prompt=True, tail="")
         return True
@@ -467,4 +492,4 @@ class TokenLedger:
             turns=list(self.turns), tools=dict(tools or {}), template_append_only=not self._diverged,
             segments=list(itertools.pairwise(edges)), submitted=submitted,
             messages=[dict(m) for m in self.messages], template_notes=list(self.notes),
-            metrics=dict(metrics or {}))
+            metrics={**self.content.metrics(), **(metrics or {})})

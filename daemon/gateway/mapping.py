@@ -4,21 +4,29 @@ A ``/process`` body is ``{"instance": {...}, "sampling_params": {...}, "job_id":
 
 - ``instance["data_source"]`` says where the task comes from: ``bundled`` (the bundled set, by
   ``instance_id``), a name registered with the gateway (``--dataset NAME=/abs/file.jsonl`` on the
-  node, by ``instance_id``), or a task type (``swe``, ``command`` or one installed under the
-  ``rolloutd.task_types`` entry points), in which case the instance itself is the task record.
-  Anything else is refused (HTTP 400), as the published server refuses an unregistered source.
-- ``sampling_params``: the sampling fields (``temperature``, ``top_p``, ``top_k``, ``max_tokens``
-  per model turn, ``seed``, ``stop_token_ids``, ``ignore_eos``) go to the inference server; every
-  other key is agent config (``max_turns``, ``max_context_tokens``, ...), checked by the agent.
+  node, by ``instance_id``), a task type (``swe``, ``command`` or one installed under the
+  ``rolloutd.task_types`` entry points), in which case the instance itself is the task record, or
+  one of the published server's SWE source names (:data:`SWE_SOURCES`: SWE-Gym, SWE-bench, R2E-Gym
+  instances), which become ``swe`` records (their JSON-string test lists parsed, the repository at
+  ``/testbed`` in the instance's image unless the record says otherwise). In ``prorl`` mode a
+  missing ``data_source`` means ``swebench``, as there. Anything else is refused (HTTP 400).
+- ``sampling_params``: in ``prorl`` mode first translated from the published server's names
+  (:mod:`.params`); then the sampling fields (``temperature``, ``top_p``, ``top_k``,
+  ``max_tokens`` per model turn, ``seed``, ``stop_token_ids``, ``ignore_eos``) go to the inference
+  server and every other key is agent config (``max_turns``, ``max_context_tokens``, ...), checked
+  by the agent.
 
 The answer is one trajectory: its token arrays as JSON lists (this is the compatibility path; the
 client gets the same arrays without JSON), its scalar fields, the fields the published handlers
-return (``instance_id``, ``trajectory_id``, ``resolved``, ``finish``, ``error``) and ``timing``.
+return (``instance_id``, ``trajectory_id``, ``resolved``, ``finish``, ``error``) and ``timing``;
+in ``prorl`` mode also what :mod:`.compat` adds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -59,33 +67,43 @@ class DataSources:
         return ", ".join(sorted(self.datasets))
 
 
-def rollout_request(instance: Any, sampling_params: Any, sources: DataSources, *, timeout_s: float) -> RolloutRequest:
-    """The rollout request (one sample) for a ``/process`` job; BadRequest says what is wrong."""
-    if not isinstance(instance, dict):
-        raise BadRequest("'instance' must be a JSON object with at least 'data_source'")
-    if not isinstance(sampling_params, dict):
-        raise BadRequest("'sampling_params' must be a JSON object")
-    source = instance.get("data_source")
+SWE_SOURCES = frozenset({"swebench", "swegym", "r2egym"})
+"""The published server's SWE data sources, normalised (lower case, no '-', '_' or spaces):
+``swebench`` is its SWE handler's name, ``swe-gym`` maps to it there, R2E-Gym instances use it."""
+SWE_TESTBED = "/testbed"
+"""Where SWE-bench and SWE-Gym images hold the repository."""
+
+
+def rollout_request(instance: dict[str, Any], sampling: dict[str, Any], sources: DataSources, *, timeout_s: float,
+                    prorl: bool) -> RolloutRequest:
+    """The rollout request (one sample) for a ``/process`` job, ``sampling`` already in rolloutd's
+    names; BadRequest says what is wrong."""
+    source = instance.get("data_source", "swebench" if prorl else None)
     if not isinstance(source, str) or not source:
         raise BadRequest("instance.data_source must be a non-empty string")
-    sampling = {k: v for k, v in sampling_params.items() if k in SAMPLING_KEYS}
+    sampling_fields = {k: v for k, v in sampling.items() if k in SAMPLING_KEYS}
     try:
-        SamplingParams(**{"max_tokens": 1024, **sampling})  # refused here, not as a failed trajectory
+        SamplingParams(**{"max_tokens": 1024, **sampling_fields})  # refused here, not as a failed trajectory
     except (ConfigError, TypeError, ValueError) as e:
         raise BadRequest(f"bad sampling_params: {e}") from e
-    agent_config = {k: v for k, v in sampling_params.items() if k not in SAMPLING_KEYS}
-    common = {"n": 1, "sampling": sampling, "agent_config": agent_config, "timeout_s": timeout_s}
+    agent_config = {k: v for k, v in sampling.items() if k not in SAMPLING_KEYS}
+    common = {"n": 1, "sampling": sampling_fields, "agent_config": agent_config, "timeout_s": timeout_s}
     if source in sources.datasets:
         instance_id = instance.get("instance_id")
         if not isinstance(instance_id, str) or not instance_id:
             raise BadRequest(f"instance.instance_id must name a task of data source {source!r}")
         return RolloutRequest(task_id=instance_id, dataset=sources.datasets[source], **common)
+    record = {k: v for k, v in instance.items() if k not in GATEWAY_KEYS}
+    if re.sub(r"[-_ ]", "", source.lower()) in SWE_SOURCES:
+        source, record = "swe", swe_record(record)
     try:
         task_type = get_task_type(source)
     except TaskError as e:
-        raise BadRequest(f"unknown data_source {source!r}: not a registered data source ({sources.describe()}; "
-                         f"add one with --dataset NAME=/path.jsonl) and not a task type ({e})") from e
-    record = {k: v for k, v in instance.items() if k not in GATEWAY_KEYS} | {"type": source}
+        raise BadRequest(f"unknown data_source {source!r}: not one of the published server's SWE sources "
+                         f"(swebench, swe-gym, SWE-Gym, SWE-bench, r2egym: rolloutd's swe task type), not a "
+                         f"registered data source ({sources.describe()}; add one with --dataset NAME=/path.jsonl) "
+                         f"and not a task type ({e})") from e
+    record["type"] = source
     try:
         task_type.parse(record)
     except TaskError as e:
@@ -93,12 +111,28 @@ def rollout_request(instance: Any, sampling_params: Any, sources: DataSources, *
     return RolloutRequest(task=record, **common)
 
 
+def swe_record(instance: dict[str, Any]) -> dict[str, Any]:
+    """A SWE-bench / SWE-Gym instance as a ``swe`` task record: the test lists, which those
+    datasets store as JSON strings, become lists; the repository is the image's ``/testbed``
+    unless the record brings its own (``files``, ``repo_dir`` or ``workdir``)."""
+    record = dict(instance)
+    for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+        if isinstance(record.get(key), str):
+            try:
+                record[key] = json.loads(record[key])
+            except ValueError as e:
+                raise BadRequest(f"instance.{key} is a string but not a JSON list of test ids: {e}") from e
+    if not any(k in record for k in ("files", "repo_dir", "workdir")):
+        record["workdir"] = SWE_TESTBED
+    return record
+
+
 def unstarted_trajectory(request_id: str, request: RolloutRequest) -> Trajectory:
     """The answer for a job cancelled before any of it ran: no tokens, finish reason ``cancelled``."""
     task_id = request.task_id or str((request.task or {}).get("instance_id", ""))
     arrays = {name: np.zeros(0, dtype=dtype) for name, dtype in Trajectory.ARRAY_DTYPES.items()}
     return Trajectory(request_id=request_id, sample_index=0, task_id=task_id, reward=0.0, finish_reason="cancelled",
-                      num_turns=0, **arrays)
+                      num_turns=0, ended_by="client", **arrays)
 
 
 def timing(trajectory: Trajectory, wall_s: float) -> dict[str, Any]:
@@ -120,7 +154,7 @@ def result_json(trajectory: Trajectory, *, job_id: str, instance: dict[str, Any]
         "trajectory_id": instance.get("trajectory_id"),
         "data_source": instance.get("data_source"),
         "weight_versions": trajectory.weight_versions,
-        "resolved": trajectory.finish_reason != "error" and trajectory.reward >= 1.0,
+        "resolved": trajectory.reward_valid and trajectory.reward >= 1.0,
         "finish": trajectory.finish_reason == "completed",
         "error": trajectory.error_message,
         "timing": timing(trajectory, wall_s),

@@ -2,16 +2,21 @@
 
 ::
 
-    rolloutd gateway --token-file TOKEN [--bind 127.0.0.1:8006] [--address ipc://...|tcp://...]
+    rolloutd gateway [--token-file TOKEN] [--bind 127.0.0.1:8006] [--address ipc://...|tcp://...]
                      [--timeout-s 300] [--process-wait-s S] [--dataset NAME=/abs/file.jsonl]...
-                     [--inference-server URL]... [--start] [--allow-remote]
+                     [--inference-server URL]... [--start] [--allow-remote] [--trusted-network CIDR]...
+                     [--mode prorl|native]
 
-Every route needs ``Authorization: Bearer <token>`` (401 otherwise). The gateway binds a loopback
-address unless ``--allow-remote`` says otherwise. It prints one line ``READY http://HOST:PORT``
-once it serves and stops on SIGTERM or SIGINT. Errors answer ``{"detail": ..., "code": ...}``
-with the published server's statuses: 503 when not started or no inference server is registered
-(also when the node is busy or unreachable), 504 when a job outlives its wait (it is cancelled),
-400 for an unknown data source or a malformed body.
+Callers authenticate with the token (``Authorization: Bearer <token>``, or the token in the URL,
+``http://rolloutd:<token>@HOST:PORT``) unless they call from a ``--trusted-network`` (see
+:mod:`.auth`); 401 otherwise. The gateway binds a loopback address unless ``--allow-remote`` or a
+trusted network says otherwise. It prints one line ``READY http://HOST:PORT`` once it serves and
+stops on SIGTERM or SIGINT within :data:`STOP_WITHIN_S`. Errors answer ``{"detail": ..., "code":
+...}`` with the published server's statuses: 503 when not started or no inference server is
+registered (also when the node is busy or unreachable), 504 when a job outlives its wait (it is
+cancelled), 400 for an unknown data source or bad values, 422 for a body that is not the route's
+JSON object (``detail`` then lists the faults as FastAPI does; 400 in ``--mode native``), 413 for
+a body over 64 MiB and 408 for one that does not arrive.
 """
 
 from __future__ import annotations
@@ -19,14 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ from rolloutd.native_io.errors import (
     ConfigError,
     DaemonUnavailable,
     InferenceError,
+    InvalidBody,
+    MessageTooLarge,
     NoInferenceServer,
     NotFound,
     OperationTimeout,
@@ -48,60 +51,27 @@ from rolloutd.native_io.errors import (
     TaskError,
 )
 
-from ..policy.state import read_json
+from ..policy.tokenizer import load_tokenizer
+from .auth import DEFAULT_BIND, TOKEN_ENV, Access, Listen, parse_networks, read_token
+from .body import CANCEL, LLM_SERVER, MAX_BODY_BYTES, PROCESS, PROCESS_NATIVE, read_body
 from .mapping import DataSources
 from .service import Gateway, GatewayConfig
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "ROLLOUTD_GATEWAY_TOKEN"
-DEFAULT_BIND = "127.0.0.1:8006"
-"""The published server's port, on loopback."""
+STOP_WITHIN_S = 5.0
+"""How long SIGTERM may take: pending jobs are cancelled and answered, then the server closes."""
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@dataclass
-class Listen:
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, bind: str, *, allow_remote: bool) -> Listen:
-        host, sep, port = bind.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"--bind {bind!r}: write HOST:PORT, e.g. {DEFAULT_BIND} (port 0 picks a free one)")
-        if not allow_remote and not _is_loopback(host):
-            raise ConfigError(f"--bind {bind!r} is not a loopback address: the gateway would take jobs from the "
-                              "network over plain HTTP. Pass --allow-remote to mean it (then keep the token secret "
-                              "and prefer an SSH tunnel or a TLS proxy in front)")
-        return cls(host, int(port))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def read_token(token_file: Path | None) -> str:
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"cannot read the gateway token from {token_file}: {e}") from e
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
-        raise ConfigError(f"the gateway needs a bearer token: --token-file FILE (non-empty) or ${TOKEN_ENV}")
-    return token
-
-
-def http_status(e: RolloutdError) -> int:
+def http_status(e: RolloutdError, *, prorl: bool) -> int:
+    if isinstance(e.details.get("http_status"), int):
+        return int(e.details["http_status"])  # type: ignore[arg-type]
+    if isinstance(e, InvalidBody):
+        return 422 if prorl else 400
+    if isinstance(e, MessageTooLarge):
+        return 413
     if isinstance(e, OperationTimeout):
         return 504
     if isinstance(e, (NoInferenceServer, Busy, DaemonUnavailable, ShuttingDown)):
@@ -115,18 +85,17 @@ def http_status(e: RolloutdError) -> int:
     return 500
 
 
-def _error(status: int, code: str, detail: str) -> web.Response:
+def _error(status: int, code: str, detail: Any) -> web.Response:
     return web.json_response({"detail": detail, "code": code}, status=status)
 
 
-def _middlewares(token: str) -> list[Any]:
-    expected = f"Bearer {token}".encode()
-
+def _middlewares(access: Access, *, prorl: bool) -> list[Any]:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
-            response = _error(401, "UNAUTHORIZED", "send the gateway's token as 'Authorization: Bearer <token>'")
-            response.headers["WWW-Authenticate"] = "Bearer"
+        refusal = access.refusal(request.headers.get("Authorization", ""), request.remote)
+        if refusal is not None:
+            response = _error(401, "UNAUTHORIZED", refusal)
+            response.headers["WWW-Authenticate"] = 'Bearer, Basic realm="rolloutd gateway"'
             return response
         return await handler(request)
 
@@ -135,9 +104,11 @@ def _middlewares(token: str) -> list[Any]:
         try:
             return await handler(request)
         except RolloutdError as e:
-            status = http_status(e)
+            status = http_status(e, prorl=prorl)
             if status >= 500:
                 log.warning("%s %s -> %d %s: %s", request.method, request.path, status, e.code, e)
+            if status == 422:
+                return _error(status, e.code, e.details.get("errors", str(e)))
             return _error(status, e.code, str(e))
 
     return [auth, errors]
@@ -166,8 +137,8 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _add_llm_server(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    return web.json_response(await request.app[GATEWAY].add_server(body.get("address")))
+    body = await read_body(request, LLM_SERVER)
+    return web.json_response(await request.app[GATEWAY].add_server(body["address"]))
 
 
 async def _clear_llm_server(request: web.Request) -> web.Response:
@@ -175,19 +146,19 @@ async def _clear_llm_server(request: web.Request) -> web.Response:
 
 
 async def _process(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    result = await request.app[GATEWAY].process(body.get("instance"), body.get("sampling_params", {}),
-                                                body.get("job_id"))
+    gateway = request.app[GATEWAY]
+    body = await read_body(request, PROCESS if gateway.config.prorl else PROCESS_NATIVE)
+    result = await gateway.process(body["instance"], body.get("sampling_params"), body.get("job_id"))
     return web.json_response(result)
 
 
 async def _cancel(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    return web.json_response(await request.app[GATEWAY].cancel(body.get("job_id")))
+    body = await read_body(request, CANCEL)
+    return web.json_response(await request.app[GATEWAY].cancel(body["job_id"]))
 
 
-def build_app(gateway: Gateway, token: str) -> web.Application:
-    app = web.Application(middlewares=_middlewares(token), client_max_size=64 * 1024 * 1024)
+def build_app(gateway: Gateway, access: Access) -> web.Application:
+    app = web.Application(middlewares=_middlewares(access, prorl=gateway.config.prorl), client_max_size=MAX_BODY_BYTES)
     app[GATEWAY] = gateway
     app.router.add_post("/start", _start)
     app.router.add_post("/stop", _running(_stop))
@@ -200,10 +171,10 @@ def build_app(gateway: Gateway, token: str) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(config: GatewayConfig, listen: Listen, token: str) -> AsyncIterator[tuple[str, Gateway]]:
-    """Serve in this event loop: ``async with serve_gateway(cfg, listen, token) as (url, gw)``."""
+async def serve_gateway(config: GatewayConfig, listen: Listen, access: Access) -> AsyncIterator[tuple[str, Gateway]]:
+    """Serve in this event loop: ``async with serve_gateway(cfg, listen, access) as (url, gw)``."""
     gateway = Gateway(config)
-    runner = web.AppRunner(build_app(gateway, token), access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(build_app(gateway, access), access_log=None, shutdown_timeout=STOP_WITHIN_S / 2)
     await runner.setup()
     try:
         site = web.TCPSite(runner, listen.host, listen.port)
@@ -212,27 +183,29 @@ async def serve_gateway(config: GatewayConfig, listen: Listen, token: str) -> As
         host = f"[{listen.host}]" if ":" in listen.host else listen.host
         yield f"http://{host}:{port}", gateway
     finally:
-        # Pending jobs end first (503), so the HTTP side has nothing left to wait for.
+        # Pending jobs end first (503), so the HTTP side has nothing left to wait for; their
+        # cancelled answers are not awaited past the stop budget (closing the client frees them).
         if gateway.running:
-            await gateway.stop()
+            await gateway.stop(within_s=STOP_WITHIN_S / 4)
         await runner.cleanup()
-        await gateway.close()
+        await gateway.close(drain_s=STOP_WITHIN_S / 4)
 
 
-async def _serve_until_signal(config: GatewayConfig, listen: Listen, token: str, *, start: bool,
+async def _serve_until_signal(config: GatewayConfig, listen: Listen, access: Access, *, start: bool,
                               servers: list[str]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with serve_gateway(config, listen, token) as (url, gateway):
+    async with serve_gateway(config, listen, access) as (url, gateway):
         for spec in servers:
             await gateway.add_server(spec)
         if start:
             await gateway.start()
         print(f"READY {url}", flush=True)
-        log.info("gateway at %s forwarding to %s (%s)", url, config.address,
-                 "running" if gateway.running else "waiting for POST /start")
+        log.info("gateway at %s forwarding to %s (%s; trusted networks: %s)", url, config.address,
+                 "running" if gateway.running else "waiting for POST /start",
+                 ", ".join(map(str, access.trusted)) or "none")
         await stop.wait()
         log.info("stopping")
 
@@ -242,9 +215,16 @@ def _parser() -> argparse.ArgumentParser:
                                 "(/process, /cancel, /status, /add_llm_server, /clear_llm_server, /start, /stop) "
                                 "in front of a rolloutd node daemon or router.")
     p.add_argument("--bind", default=DEFAULT_BIND, help=f"HOST:PORT to listen on (default {DEFAULT_BIND})")
-    p.add_argument("--allow-remote", action="store_true", help="allow a --bind address that is not loopback")
-    p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (or set ${TOKEN_ENV})")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --bind address that is not loopback (callers then send the token)")
+    p.add_argument("--trusted-network", action="append", default=[], metavar="CIDR",
+                   help="callers from this network need no token (repeatable; also allows a non-loopback --bind)")
+    p.add_argument("--token-file", type=Path, help=f"file holding the token, mode 600 (or set ${TOKEN_ENV})")
     p.add_argument("--address", help="node daemon or router (default: $ROLLOUTD_ADDRESS or this user's node)")
+    p.add_argument("--mode", choices=("prorl", "native"), default="prorl",
+                   help="prorl (default): the published server's request and answer shapes; native: rolloutd's")
+    p.add_argument("--tokenizer", help="the node's tokenizer folder (its --tokenizer; 'reference' for the bundled "
+                   "one): the text of each message in the answer (empty without it)")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="stage time a job may use, queue waits excluded (the published server's --timeout)")
     p.add_argument("--process-wait-s", type=float, default=None,
@@ -265,11 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.timeout_s <= 0 or (args.process_wait_s is not None and args.process_wait_s <= 0):
             raise ConfigError("--timeout-s and --process-wait-s must be > 0")
+        tokenizer = None
+        if args.tokenizer:
+            tokenizer = load_tokenizer(None if args.tokenizer == "reference" else args.tokenizer)
         config = GatewayConfig(address=args.address or default_address(), timeout_s=args.timeout_s,
-                               process_wait_s=args.process_wait_s, sources=DataSources.parse(args.dataset))
-        listen = Listen.parse(args.bind, allow_remote=args.allow_remote)
-        uvloop.run(_serve_until_signal(config, listen, read_token(args.token_file), start=args.start,
-                                       servers=args.inference_server))
+                               process_wait_s=args.process_wait_s, sources=DataSources.parse(args.dataset),
+                               prorl=args.mode == "prorl", tokenizer=tokenizer)
+        trusted = parse_networks(args.trusted_network)
+        listen = Listen.parse(args.bind, allow_remote=args.allow_remote or bool(trusted))
+        access = Access(read_token(args.token_file), trusted)
+        uvloop.run(_serve_until_signal(config, listen, access, start=args.start, servers=args.inference_server))
     except (RolloutdError, OSError) as e:
         log.error("%s", e)
         return 2

@@ -28,8 +28,11 @@ from rolloutd.native_io.errors import (
     RolloutdError,
     ShuttingDown,
 )
+from rolloutd.native_io.trajectory import Trajectory
 
+from .compat import prorl_answer
 from .mapping import DataSources, result_json, rollout_request, server_address, unstarted_trajectory
+from .params import translate
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ class GatewayConfig:
     sources: DataSources = field(default_factory=DataSources)
     control_timeout_s: float = 30.0
     """Deadline of each call to the node that is not a rollout (status, inference servers)."""
+    prorl: bool = True
+    """The published server's request and answer shapes (the default); False: rolloutd's own
+    (``--mode native``: sampling_params optional and in rolloutd's names, no ``messages``)."""
+    tokenizer: Any = None
+    """The node's tokenizer (``--tokenizer``), to give ``messages`` their text; None: empty text."""
 
     @property
     def wait_s(self) -> float:
@@ -63,8 +71,8 @@ class Job:
     submitted_at: float
     cancelled: bool = False
     """Cancelled here (``cancel``, ``stop`` or the wait ran out), so a Cancelled answer is expected."""
-    stopped: bool = False
-    """Cancelled by ``stop``: its ``/process`` answers 503 instead of the cancelled trajectory."""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by ``stop``: its ``/process`` answers 503 at once, without waiting for the node."""
 
 
 class Gateway:
@@ -99,22 +107,33 @@ class Gateway:
         log.info("started: forwarding to %s with inference servers %s", self.config.address, sorted(self.added))
         return {"status": "started", "llm_servers": sorted(self.added), "llm_server_errors": errors}
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self, *, within_s: float | None = None) -> dict[str, Any]:
+        """Cancel the pending jobs (their ``/process`` answers 503 at once) and take this gateway's
+        servers out of the node, giving up on the node after ``within_s`` (a shutdown must not wait
+        on a hung node; the default is each call's control time-out)."""
         self.running = False
         jobs = list(self.jobs.values())
         for job in jobs:
-            job.stopped = job.cancelled = True
+            job.cancelled = True
+            job.stopped.set()
             await self.client.cancel(job.request_id)
-        errors = await self._remove_added()
+        try:
+            async with asyncio.timeout(within_s):
+                errors = await self._remove_added()
+        except TimeoutError:
+            errors = {spec: f"the node did not answer within {within_s:g} s" for spec in self.added}
         log.info("stopped: cancelled %d pending jobs", len(jobs))
         return {"status": "stopped", "cancelled_jobs": sorted(j.job_id for j in jobs), "llm_server_errors": errors}
 
-    async def close(self) -> None:
-        """Stop (when running), wait for the cancelled answers, close the client."""
+    async def close(self, *, drain_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Stop (when running), wait up to ``drain_s`` for the cancelled answers, close the client
+        (the node then frees what is left of them)."""
         if self.running:
             await self.stop()
         if self._background:
-            await asyncio.wait(self._background, timeout=DRAIN_TIMEOUT_S)
+            await asyncio.wait(self._background, timeout=drain_s)
+            for task in self._background:
+                task.cancel()
         await self.client.close()
 
     # --- inference servers ----------------------------------------------------------------------
@@ -161,11 +180,17 @@ class Gateway:
 
     # --- jobs -----------------------------------------------------------------------------------
 
-    async def process(self, instance: Any, sampling_params: Any, job_id: Any) -> dict[str, Any]:
+    async def process(self, instance: dict[str, Any], sampling_params: dict[str, Any] | None,
+                      job_id: str | None) -> dict[str, Any]:
         """Run one job to its end; its trajectory as JSON, or the error that maps to the HTTP status."""
-        if job_id is not None and (not isinstance(job_id, str) or not job_id):
-            raise BadRequest("job_id must be a non-empty string (or left out)")
-        request = rollout_request(instance, sampling_params, self.config.sources, timeout_s=self.config.timeout_s)
+        notes: list[str] = []
+        sampling = sampling_params or {}
+        if self.config.prorl:
+            translated = translate(sampling)
+            sampling = translated.params
+            notes = [n for n in (translated.note(),) if n]
+        request = rollout_request(instance, sampling, self.config.sources, timeout_s=self.config.timeout_s,
+                                  prorl=self.config.prorl)
         job_id = job_id or uuid.uuid4().hex
         if job_id in self.jobs:
             raise BadRequest(f"job {job_id!r} is already pending; give each job its own job_id")
@@ -174,12 +199,13 @@ class Gateway:
         (rid,) = await self.client.submit([request])
         job = self.jobs[job_id] = Job(job_id, rid, time.monotonic())
         try:
-            results = await self.client.results([rid], timeout_s=self.config.wait_s)
+            results = await self._results(job)
         except OperationTimeout as e:
             job.cancelled = True
             self._drain(rid)
-            raise OperationTimeout(f"job {job_id} did not finish within {self.config.wait_s:.0f} s (2 x timeout_s "
-                                   "+ 10, or --process-wait-s); it was cancelled") from e
+            raise OperationTimeout(f"Processing timed out: job {job_id} did not finish within "
+                                   f"{self.config.wait_s:g} s (2 x timeout_s + 10, or --process-wait-s); it was "
+                                   "cancelled") from e
         except asyncio.CancelledError:
             await self.client.cancel(rid)
             self._drain(rid)
@@ -187,13 +213,30 @@ class Gateway:
         finally:
             self.jobs.pop(job_id, None)
         try:
-            return await self._answer(job, request, instance, results[rid])
+            return await self._answer(job, request, instance, results[rid], notes)
         finally:
             await self.client.release(results[rid])
 
+    async def _results(self, job: Job) -> dict[str, RolloutResult]:
+        """The job's answer, or ShuttingDown as soon as ``stop`` is called (a hung or busy node must
+        not hold the stop; the cancelled answer is collected in the background)."""
+        fetch = asyncio.ensure_future(self.client.results([job.request_id], timeout_s=self.config.wait_s))
+        stopped = asyncio.ensure_future(job.stopped.wait())
+        try:
+            await asyncio.wait({fetch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not fetch.done():
+                fetch.cancel()
+        if fetch.done() and not fetch.cancelled():
+            return fetch.result()
+        self._drain(job.request_id)
+        raise ShuttingDown(f"the gateway was stopped (POST /stop or SIGTERM) while job {job.job_id} ran; it was "
+                           "cancelled")
+
     async def _answer(self, job: Job, request: RolloutRequest, instance: dict[str, Any],
-                      result: RolloutResult) -> dict[str, Any]:
-        if job.stopped:
+                      result: RolloutResult, notes: list[str]) -> dict[str, Any]:
+        if job.stopped.is_set():
             raise ShuttingDown(f"the gateway was stopped (POST /stop) while job {job.job_id} ran; it was cancelled")
         if job.cancelled and (isinstance(result.error, Cancelled) or not result.trajectories):
             trajectory = unstarted_trajectory(job.request_id, request)
@@ -205,8 +248,11 @@ class Gateway:
             trajectory = result.trajectories[0]
         if trajectory.error_code == NoInferenceServer.code:
             raise NoInferenceServer(trajectory.error_message or "no inference server")
-        return await asyncio.to_thread(result_json, trajectory, job_id=job.job_id, instance=instance,
-                                       wall_s=time.monotonic() - job.submitted_at)
+        return await asyncio.to_thread(self._json, trajectory, job, instance, notes)
+
+    def _json(self, trajectory: Trajectory, job: Job, instance: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+        native = result_json(trajectory, job_id=job.job_id, instance=instance, wall_s=time.monotonic() - job.submitted_at)
+        return prorl_answer(native, trajectory, notes, self.config.tokenizer) if self.config.prorl else native
 
     async def cancel(self, job_id: Any) -> dict[str, Any]:
         if not isinstance(job_id, str):

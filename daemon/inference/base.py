@@ -20,6 +20,7 @@ import numpy as np
 from rolloutd.native_io.errors import ConfigError, InferenceProtocolError
 
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
+MAX_TOP_LOGPROBS = 20
 PAUSE_MODES = frozenset({"keep", "abort", "wait"})
 HEALTH_STATES = ("ok", "slow", "down")
 """What a health probe found: answered 200; did not answer in time (busy, not gone); refused,
@@ -51,6 +52,10 @@ class SamplingParams:
     """Keep generating past the model's end-of-turn tokens (until max_tokens or stop_token_ids)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further sampling fields passed through to the server as they are (e.g. ``min_p``)."""
+    top_logprobs: int = 0
+    """How many of the most likely tokens to report at each generated position (0: none; the
+    sampled token's own log-probability is always reported). Backends that cannot report them
+    leave ``GenerateResult.top_ids`` None."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -67,6 +72,10 @@ class SamplingParams:
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise ConfigError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, "
+                              f"got {self.top_logprobs!r}")
 
     def wire_fields(self, *, max_key: str, seed_key: str) -> dict[str, Any]:
         """The sampling fields as a server's JSON names them (vLLM: ``max_tokens``/``seed``,
@@ -104,6 +113,11 @@ class GenerateResult:
     """The server's own per-token weight versions (vLLM >= 0.32 reports them), covering every
     generated id in order; empty when the protocol reports none. ``weight_version`` is then the
     last span's version (the newest weights that produced a token of this call)."""
+    top_ids: np.ndarray | None = None
+    """int32 ``[n, k]``: at each generated position the ``k = params.top_logprobs`` most likely
+    token ids, most likely first; None when none were asked for or the backend reports none."""
+    top_logprobs: np.ndarray | None = None
+    """float32 ``[n, k]``: their log-probabilities."""
 
 
 class InferenceBackend(ABC):
@@ -155,7 +169,7 @@ class InferenceBackend(ABC):
 
 def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params: SamplingParams,
                    server: str, what: str, weight_version: str = "", request_id: str = "",
-                   http_s: float = 0.0, weight_spans: Any = None) -> GenerateResult:
+                   http_s: float = 0.0, weight_spans: Any = None, top: Any = None) -> GenerateResult:
     """Validate a server's answer and convert it to arrays; ``what`` names the response field
     for the error message (e.g. ``choices[0].token_ids``)."""
     if not isinstance(token_ids, list):
@@ -193,9 +207,38 @@ def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params:
     spans = checked_spans(weight_spans, len(token_ids), server=server) if weight_spans is not None else ()
     if spans:
         weight_version = spans[-1].version
+    top_ids, top_lps = checked_top(top, len(token_ids), params.top_logprobs, server=server, what=what)
     return GenerateResult(token_ids=ids.astype(np.int32), logprobs=lps.astype(np.float32),
                           finish_reason=finish_reason, weight_version=weight_version,
-                          server=server, request_id=request_id, http_s=http_s, weight_spans=spans)
+                          server=server, request_id=request_id, http_s=http_s, weight_spans=spans,
+                          top_ids=top_ids, top_logprobs=top_lps)
+
+
+def checked_top(top: Any, n_tokens: int, k: int, *, server: str, what: str
+                ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The ``k`` most likely (id, log-probability) pairs per generated token as arrays
+    ``[n, k]``, from a server's per-token lists of pairs (at least ``k`` each, any order); (None,
+    None) when ``k`` is 0 or the server reported none (``top`` None)."""
+    if not k or top is None:
+        return None, None
+    if not isinstance(top, list) or len(top) != n_tokens:
+        got = len(top) if isinstance(top, list) else "no"
+        raise InferenceProtocolError(f"{server} returned top log-probabilities for {got} of {n_tokens} generated "
+                                     f"tokens ({what})")
+    ids = np.zeros((n_tokens, k), dtype=np.int32)
+    lps = np.zeros((n_tokens, k), dtype=np.float32)
+    for i, pairs in enumerate(top):
+        try:
+            ranked = sorted(((float(lp), int(t)) for t, lp in pairs), reverse=True)[:k]
+        except (TypeError, ValueError) as e:
+            raise InferenceProtocolError(f"{server} returned top log-probabilities that are not (id, value) pairs "
+                                         f"at token {i} ({what}): {e}") from e
+        if len(ranked) < k:
+            raise InferenceProtocolError(f"{server} returned {len(ranked)} top log-probabilities at token {i} for "
+                                         f"top_logprobs={k} ({what})")
+        ids[i] = [t for _, t in ranked]
+        lps[i] = [lp for lp, _ in ranked]
+    return ids, lps
 
 
 def checked_spans(raw: Any, n_tokens: int, *, server: str) -> tuple[VersionSpan, ...]:

@@ -86,11 +86,13 @@ class ServerPool:
         self._resumed.set()
 
     @classmethod
-    async def create(cls, specs: Sequence[str | InferenceBackend], **options: Any) -> ServerPool:
+    async def create(cls, specs: Sequence[str | InferenceBackend], keys: dict[str, str] | None = None,
+                     **options: Any) -> ServerPool:
+        """A pool of ``specs``; ``keys`` gives some of them their own bearer token."""
         pool = cls(**options)
         try:
             for spec in specs:
-                await pool.add_server(spec)
+                await pool.add_server(spec, api_key=(keys or {}).get(spec) if isinstance(spec, str) else None)
         except BaseException:
             await pool.close()
             raise
@@ -104,10 +106,11 @@ class ServerPool:
 
     # --- membership --------------------------------------------------------------------------
 
-    async def add_server(self, spec: str | InferenceBackend) -> str:
-        """Add a server (a spec for :func:`make_backend`, or a backend); returns its address."""
+    async def add_server(self, spec: str | InferenceBackend, *, api_key: str | None = None) -> str:
+        """Add a server (a spec for :func:`make_backend`, or a backend); returns its address.
+        ``api_key``: its bearer token, when not the pool's."""
         backend = spec if isinstance(spec, InferenceBackend) else await make_backend(
-            spec, api_key=self._api_key, **self._http_options)
+            spec, api_key=api_key or self._api_key, **self._http_options)
         if backend.address in self._servers:
             if backend is not self._servers[backend.address].backend:
                 await backend.close()

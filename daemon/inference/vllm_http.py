@@ -2,10 +2,12 @@
 
 Two routes, chosen per server (:mod:`rolloutd.daemon.inference.factory` detects which one it has):
 - ``generate``: ``POST /inference/v1/generate`` with ``token_ids`` and ``sampling_params``
-  (explicit ``max_tokens``, ``logprobs: 0``, ``detokenize: false``); ids from
-  ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.content[*].logprob``.
+  (explicit ``max_tokens``, ``logprobs: k`` with ``k = params.top_logprobs``, ``detokenize: false``);
+  ids from ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.content[*].logprob``,
+  the top k from ``content[*].top_logprobs``.
 - ``completions``: ``POST /v1/completions`` with ``prompt`` as a list of ints, ``return_token_ids``,
-  ``logprobs: 0``, ``skip_special_tokens: false``, ``include_stop_str_in_output: true``; ids from
+  ``logprobs: 0`` (its top log-probabilities are keyed by token text: none are asked for),
+  ``skip_special_tokens: false``, ``include_stop_str_in_output: true``; ids from
   ``choices[0].token_ids``, log-probabilities from ``choices[0].logprobs.token_logprobs``.
 
 Weight versions: vLLM 0.32's generate route reports per-token ``choices[0].weight_versions``
@@ -42,14 +44,14 @@ COMPLETIONS_PATH = "/v1/completions"
 ROUTES = {"generate": GENERATE_PATH, "completions": COMPLETIONS_PATH}
 
 
-def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    # logprobs=0: only the sampled token's log-probability (vLLM always includes it).
-    return {**params.wire_fields(max_key="max_tokens", seed_key="seed"), "logprobs": 0}
+def _sampling_fields(params: SamplingParams, top_logprobs: int = 0) -> dict[str, Any]:
+    # logprobs=k: the sampled token's log-probability (vLLM always includes it) and the k most likely.
+    return {**params.wire_fields(max_key="max_tokens", seed_key="seed"), "logprobs": top_logprobs}
 
 
 def generate_request(prompt: list[int], params: SamplingParams, request_id: str,
                      model: str | None = None) -> dict[str, Any]:
-    sampling = _sampling_fields(params)
+    sampling = _sampling_fields(params, params.top_logprobs)
     sampling["detokenize"] = False
     body: dict[str, Any] = {"request_id": request_id, "token_ids": prompt, "sampling_params": sampling,
                             "stream": False}
@@ -60,6 +62,7 @@ def generate_request(prompt: list[int], params: SamplingParams, request_id: str,
 
 def completions_request(prompt: list[int], params: SamplingParams, request_id: str,
                         model: str | None = None) -> dict[str, Any]:
+    # Its top log-probabilities are keyed by token text, not id: none are asked for.
     body = _sampling_fields(params)
     body.update({"prompt": prompt, "return_token_ids": True, "skip_special_tokens": False,
                  "include_stop_str_in_output": True, "request_id": request_id, "stream": False})
@@ -75,29 +78,43 @@ def _first_choice(obj: dict[str, Any], server: str) -> dict[str, Any]:
     return choices[0]
 
 
-def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any, Any]:
-    """(ids, logprobs, finish_reason, weight_versions) from a ``/inference/v1/generate`` answer,
-    unchecked."""
+def _entry_id(entry: Any) -> Any:
+    # 0.32 gives each entry its integer "token_id"; older builds named it "token_id:N".
+    if not isinstance(entry, dict):
+        return None
+    name = entry.get("token")
+    if "token_id" in entry:
+        return entry["token_id"]
+    return int(name[9:]) if isinstance(name, str) and name.startswith("token_id:") and name[9:].isdigit() else name
+
+
+def parse_top_logprobs(content: list[Any]) -> list[list[tuple[Any, Any]]]:
+    """Per generated token, its ``top_logprobs`` entries as (id, log-probability), unchecked."""
+    return [[(_entry_id(t), t.get("logprob")) for t in entry.get("top_logprobs") or [] if isinstance(t, dict)]
+            if isinstance(entry, dict) else [] for entry in content]
+
+
+def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(ids, logprobs, finish_reason, weight_versions, top logprobs) from a
+    ``/inference/v1/generate`` answer, unchecked."""
     choice = _first_choice(obj, server)
     ids = choice.get("token_ids")
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, dict) else None
     versions = choice.get("weight_versions")
     if not isinstance(content, list):
-        return ids, None, choice.get("finish_reason"), versions
+        return ids, None, choice.get("finish_reason"), versions, None
     logprobs = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
     if isinstance(ids, list) and len(ids) == len(content):
         for k, (entry, tok) in enumerate(zip(content, ids)):
             if not isinstance(entry, dict):
                 continue
-            # 0.32 gives each entry its integer "token_id"; older builds named it "token_id:N".
-            named, name = entry.get("token_id"), entry.get("token")
-            if (isinstance(named, int) and named != tok) or (
-                    isinstance(name, str) and name.startswith("token_id:") and name != f"token_id:{tok}"):
-                raise InferenceProtocolError(f"{server}: log-probability {k} is for token {named or name} but "
+            named = _entry_id(entry)
+            if isinstance(named, int) and named != tok:
+                raise InferenceProtocolError(f"{server}: log-probability {k} is for token {named} but "
                                              f"token_ids[{k}] is {tok}; the answer's ids and log-probabilities "
                                              "disagree")
-    return ids, logprobs, choice.get("finish_reason"), versions
+    return ids, logprobs, choice.get("finish_reason"), versions, parse_top_logprobs(content)
 
 
 def parse_completions_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any]:
@@ -129,16 +146,16 @@ class VLLMHTTPBackend(HTTPBackend):
             payload = completions_request(prompt, params, request_id, self._model)
         obj, http_s = await self._generate_json(self._path, payload, timeout_s=timeout_s, request_id=request_id,
                                                 prompt_key="token_ids" if self.route == "generate" else "prompt")
-        versions = None
+        versions = top = None
         if self.route == "generate":
-            ids, logprobs, finish, versions = parse_generate_response(obj, self.address)
+            ids, logprobs, finish, versions, top = parse_generate_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.content[*].logprob"
         else:
             ids, logprobs, finish = parse_completions_response(obj, self.address)
             what = "choices[0].token_ids / choices[0].logprobs.token_logprobs"
         return checked_result(ids, logprobs, finish, params=params, server=self.address, what=what,
                               request_id=request_id, http_s=http_s,
-                              weight_spans=None if self._spans_ignored else versions)
+                              weight_spans=None if self._spans_ignored else versions, top=top)
 
     async def discover(self) -> None:
         """Read the server's context window from ``/v1/models`` (None where it gives none)."""

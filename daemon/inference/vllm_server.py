@@ -62,6 +62,8 @@ class VLLMServer:
     api_key: str | None = None
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    log_stats: bool = False
+    """Keep vLLM's stats (its /metrics gauges, e.g. requests running), which cost a little per step."""
     process: subprocess.Popen[bytes] | None = None
     stop_rung: str = ""
     """How the last stop ended: ``term`` or ``kill`` (the teardown ladder's rung)."""
@@ -78,7 +80,9 @@ class VLLMServer:
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", self.served_name, "--dtype", "float32", "--host", "127.0.0.1",
                "--port", str(self.port), "--max-model-len", str(self.max_model_len), "--enable-scale-out",
-               "--worker-extension-cls", WORKER_EXTENSION, "--disable-log-stats", *self.extra_args]
+               "--worker-extension-cls", WORKER_EXTENSION, *self.extra_args]
+        if not self.log_stats:
+            cmd.append("--disable-log-stats")
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,27 @@ from typing import Any, Literal
 from rolloutd.daemon.common.config import load_typed_config
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.run_dir import SOCKET_PATH_MAX, default_run_dir
+
+SECRET_FILE_MAX_BYTES = 4096
+
+
+def read_secret_file(path: str, name: str) -> str:
+    """The stripped text of a secret file that only its owner can read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot open {path}: {e}") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{name}: {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{name}: {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        text = f.read(SECRET_FILE_MAX_BYTES + 1).decode(errors="replace").strip()
+    if not text or len(text) > SECRET_FILE_MAX_BYTES:
+        raise ConfigError(f"{name}: {path} must hold one key of 1 to {SECRET_FILE_MAX_BYTES} bytes")
+    return text
+
 
 @dataclass
 class NodeConfig:
@@ -64,6 +86,12 @@ class NodeConfig:
     """Inference servers, e.g. ``http://127.0.0.1:8000`` (protocol detected) or ``sglang+http://...``."""
     inference_api_key: str = ""
     """Bearer token sent to inference servers."""
+    inference_server_keys: dict[str, str] = field(default_factory=dict)
+    """Bearer tokens of single servers (spec -> token), for those added with their own key
+    (``add_inference_server(address, api_key)``); the others use ``inference_api_key``."""
+    inference_api_key_file: str = ""
+    """File holding that token (mode 0600, read when the node starts; ``inference_api_key`` wins).
+    The Slurm prolog passes ``~/.rolloutd/inference_api_key`` of the job's user when it exists."""
     inference_engine_args: str = "{}"
     """For ``vllm-inprocess:MODEL`` servers: vLLM ``AsyncEngineArgs`` fields as a JSON object
     (e.g. ``{"max_model_len": 16384, "dtype": "float32"}``); one engine per node serves all workers."""
@@ -77,6 +105,11 @@ class NodeConfig:
     with the ``inference.set_weight_version`` op."""
     tokenizer: str = ""
     """Hugging Face tokenizer folder; empty = the reference policy's bundled tokenizer."""
+    content_special_tokens: Literal["text", "reject", "special"] = "text"
+    """How added tokens' text (``<|im_end|>``) in text the model did not write (tool output, task,
+    a harness's messages) is encoded: ``text``, ``reject`` or ``special``; a request's agent config
+    may override it (README, "Tokens"; the agents' side is ``agents.content_text``, which the
+    config does not import: it would pull the agents into every process that reads a config)."""
     init_concurrency: int = 16
     """Rollouts in the init stage at once (per node)."""
     run_concurrency: int = 256
@@ -88,6 +121,8 @@ class NodeConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        if self.inference_api_key_file and not self.inference_api_key:
+            self.inference_api_key = read_secret_file(self.inference_api_key_file, "inference_api_key_file")
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
         for name in ("warm_sandboxes_per_worker", "init_concurrency", "run_concurrency", "eval_concurrency",

@@ -250,8 +250,12 @@ class RequestFlow:
 
         if p.op == "inference.add_server" and args.address not in servers:
             servers.append(args.address)
+            if args.api_key:
+                self.config.inference_server_keys[args.address] = args.api_key
         elif p.op == "inference.remove_server":
             servers[:] = [s for s in servers if url(s) != url(args.address)]
+            for spec in [s for s in self.config.inference_server_keys if url(s) == url(args.address)]:
+                del self.config.inference_server_keys[spec]
         elif p.op == "inference.set_weight_version":
             self.config.inference_weight_version = args.version
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -33,14 +34,16 @@ def _instance_pids(state_dir: Path) -> set[int]:
 
 
 def _processes_using(state_dir: Path) -> set[int]:
-    prefix = str(state_dir.resolve())
+    folder = str(state_dir.resolve())
+    # The folder as whole path components, alone or inside an argument (--bind SRC:DST,
+    # --flag=PATH): worker w1's folder names w1/x, never w10/x.
+    named = re.compile(rf"(?:^|[=:,\s]){re.escape(folder)}(?:$|[/:,\s])")
     found = set()
     for proc in psutil.process_iter(["pid", "cwd", "cmdline"]):
         if proc.info["pid"] == os.getpid():
             continue
         cwd = proc.info.get("cwd") or ""
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if cwd.startswith(prefix) or prefix in cmdline:
+        if cwd == folder or cwd.startswith(folder + "/") or any(named.search(a) for a in proc.info.get("cmdline") or []):
             found.add(proc.info["pid"])
     return found
 

@@ -110,11 +110,13 @@ class Worker:
         limits = PipelineLimits(init=-(-cfg.init_concurrency // share), run=-(-cfg.run_concurrency // share),
                                 eval=-(-cfg.eval_concurrency // share), queue=-(-cfg.queue_limit // share))
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
-        inference = await ServerPool.create(cfg.inference_servers, api_key=cfg.inference_api_key or None,
+        inference = await ServerPool.create(cfg.inference_servers, keys=cfg.inference_server_keys,
+                                            api_key=cfg.inference_api_key or None,
                                             weight_version=cfg.inference_weight_version,
                                             server_wait_s=cfg.inference_server_wait_s)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
-                                        cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image)
+                                        cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image,
+                                        content_special_tokens=cfg.content_special_tokens)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
 
     async def serve(self) -> None:
@@ -252,7 +254,7 @@ class Worker:
             if args.address.startswith("vllm-inprocess:"):
                 raise ConfigError("an in-process vLLM engine is given when the node starts "
                                   "(--inference-server vllm-inprocess:MODEL), so that all workers share one")
-            await pool.add_server(args.address)
+            await pool.add_server(args.address, api_key=args.api_key or None)
         elif op == "inference.remove_server":
             await pool.remove_server(args.address)
         elif op == "inference.set_weight_version":
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--shm-prefix", required=True, help="prefix of this worker's shared-memory segment names")
     args = p.parse_args(argv)
-    config = NodeConfig.from_json(os.environ["ROLLOUTD_NODE_CONFIG_JSON"])
+    config = NodeConfig.from_json(os.environ.pop("ROLLOUTD_NODE_CONFIG_JSON"))  # sandboxes never inherit it
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix)

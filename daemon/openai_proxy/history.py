@@ -12,7 +12,9 @@ Anything else is a **history rewrite**: an edited or dropped message, a changed 
 assistant message the model did not write, other tools, a reply regenerated. The request then
 starts a new segment from a fresh render of its messages; nothing is spliced into an existing
 segment. Several conversations of one harness (a main agent and a sub-agent) are several
-segments, each extended by its own requests.
+segments, each extended by its own requests. A request that does extend a segment whose chat
+template cannot append its messages token by token (the template re-renders earlier text for
+them) starts a new segment too; ``metrics["template_unextendable"]`` says why, once.
 
 What the trajectory holds (:meth:`History.outcome`):
 
@@ -34,6 +36,7 @@ once any request extended no segment (a rewrite, or a second conversation);
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -43,12 +46,15 @@ from typing import Any
 import numpy as np
 
 from rolloutd.daemon.agents.base import AgentOutcome
+from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
 from rolloutd.native_io.trajectory import TurnRecord
 
-from .protocol import ChatMessage, ChatRequest, parse_reply
+from .admission import context_exceeded
+from .protocol import ChatMessage, ChatRequest
+from .reply import cut_at_stop, reply_end
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,10 @@ class Turn:
     finish_reason: str
     """The API's: ``stop``, ``length`` or ``tool_calls``."""
     prompt_tokens: int
+    result: GenerateResult
+    """The model's turn as recorded (cut at a ``stop`` string)."""
+    reply_ids: int
+    """How many of its ids the reply's text holds (not the token that ended the turn)."""
 
 
 @dataclass
@@ -125,10 +135,23 @@ class History:
     tokenizer: Any
     max_context_tokens: int
     template_check: str = "final"
+    content_special_tokens: str = "text"
+    """How the harness's messages treat added tokens' text (see ``agents.content_text``)."""
     segments: list[Segment] = field(default_factory=list)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
     requests: int = 0
+    template_unextendable: str | None = None
+    """Why the chat template could not extend a segment token by token, the first time it could not."""
     _turn_seq: itertools.count = field(default_factory=itertools.count)
+    content: ContentText = field(init=False)
+    """Encodes every segment's messages; its counts are the trajectory's."""
+
+    def __post_init__(self) -> None:
+        self.content = ContentText(self.tokenizer, self.content_special_tokens)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.tokenizer, "all_special_ids", ()) or ())
 
     def prepare(self, request: ChatRequest) -> Segment:
         """The segment ``request`` continues, its new messages appended; or a new segment.
@@ -143,20 +166,33 @@ class History:
                 continue
             if new:
                 try:
-                    fits = segment.ledger.add_messages([{"role": m.role, "content": m.content or ""} for m in new])
+                    fits = segment.ledger.add_messages([m.template_dict() for m in new])
                 except ConfigError as e:
-                    raise BadRequest(f"the chat template cannot render the new messages: {e}") from e
+                    # The template re-renders earlier text for these messages: no token-by-token
+                    # extension exists, so the request gets a fresh render of its own.
+                    return self._new_segment(request, (segment, str(e)))
                 if not fits:
-                    raise _context_full(f"the new messages do not fit: {segment.ledger.room} tokens are left under "
-                                        f"max_context_tokens={self.max_context_tokens}")
+                    raise context_exceeded(f"the new messages do not fit: {segment.ledger.room} tokens are left "
+                                           f"under max_context_tokens={self.max_context_tokens}")
                 segment.known.extend(new)
             return segment
         return self._new_segment(request)
 
-    def _new_segment(self, request: ChatRequest) -> Segment:
+    def _new_segment(self, request: ChatRequest, unextendable: tuple[Segment, str] | None = None) -> Segment:
+        """A segment from a fresh render of ``request``; ``unextendable``: the segment it extends
+        and why the template could not append its new messages (said once per trajectory)."""
         reason = "first request"
         shared = 0
-        if self.segments:
+        if unextendable is not None:
+            extended, why = unextendable
+            shared = len(extended.known)
+            reason = (f"request {self.requests} extends segment {extended.index}, but the chat template cannot "
+                      "append its new messages token by token (template_unextendable says why)")
+            if self.template_unextendable is None:
+                self.template_unextendable = why
+                log.warning("openai proxy: the chat template cannot append observations token by token (%s); "
+                            "such requests start new segments from a fresh render", why)
+        elif self.segments:
             # Report against the segment that shares the most with the request.
             closest = max(reversed(self.segments), key=lambda s: s.divergence(request)[0])
             shared, what = closest.divergence(request)
@@ -165,12 +201,12 @@ class History:
         try:
             # Unbounded at first: a prompt over the limit is the harness's error, not a bad config.
             ledger = TokenLedger(self.tokenizer, base, request.tools, max_total_tokens=sys.maxsize,
-                                 template_check=self.template_check)
+                                 template_check=self.template_check, content=self.content)
         except ConfigError as e:
             raise BadRequest(f"the chat template cannot render the conversation: {e}") from e
         if len(ledger.ids) >= self.max_context_tokens:
-            raise _context_full(f"the conversation is {len(ledger.ids)} tokens, not below "
-                                f"max_context_tokens={self.max_context_tokens}")
+            raise context_exceeded(f"the conversation is {len(ledger.ids)} tokens, not below "
+                                   f"max_context_tokens={self.max_context_tokens}")
         ledger.max_total_tokens = self.max_context_tokens
         segment = Segment(len(self.segments), ledger, request.tools_key, list(request.messages), reason, self.requests)
         if self.segments:
@@ -180,17 +216,29 @@ class History:
         self.segments.append(segment)
         return segment
 
-    def record(self, segment: Segment, result: GenerateResult) -> Turn:
-        """Append a model turn's ids as they are and build the reply the harness gets."""
-        prompt_tokens = len(segment.ledger.ids)
-        text = segment.ledger.add_turn(result)
-        content, calls = parse_reply(text)
+    def record(self, segment: Segment, result: GenerateResult, request: ChatRequest) -> Turn:
+        """Append a model turn's ids (cut at a ``stop`` string) and build the reply the harness
+        gets; BadRequest, with nothing appended, when the reply does not satisfy the request
+        (tool choice, response format)."""
+        ledger = segment.ledger
+        decode = ledger.codec.decode
+        prompt_tokens = len(ledger.ids)
+        end = reply_end(result.token_ids.tolist(), result.finish_reason, ledger.eot_id, self.special_ids)
+        result, stop_at = cut_at_stop(result, request.stop, end, decode)
+        ids = result.token_ids.tolist()
+        end = min(end, len(ids))
+        text = decode(ids[:end])
+        finished = result.finish_reason == "stop"
+        content, calls = request.tool_choice.reply(text if stop_at is None else text[:stop_at], finished=finished)
+        if finished and not calls:
+            request.response_format.check(content)
+        ledger.add_turn(result)
         message = ChatMessage("assistant", content, calls)
         segment.known.append(message)
         segment.turns += 1
         segment.last_turn_at = next(self._turn_seq)
         finish = "length" if result.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        return Turn(message, finish, prompt_tokens)
+        return Turn(message, finish, prompt_tokens, result, end)
 
     @property
     def rewritten(self) -> bool:
@@ -207,8 +255,9 @@ class History:
         info = [{"index": s.index, "reason": s.reason, "first_request": s.first_request, "turns": s.turns,
                  "prompt_tokens": len(s.ledger.prompt_ids), "response_tokens": s.ledger.response_len,
                  "in_arrays": any(s is p for p, _ in parts)} for s in self.segments]
-        all_metrics = {**(metrics or {}), "history_rewritten": self.rewritten, "history_segments": info,
-                       "history_rewrites": list(self.rewrites), "requests": self.requests}
+        all_metrics = {**self.content.metrics(), **(metrics or {}), "history_rewritten": self.rewritten,
+                       "history_segments": info, "history_rewrites": list(self.rewrites), "requests": self.requests,
+                       "template_unextendable": self.template_unextendable}
         if not parts:
             empty = np.zeros(0, dtype=np.int32)
             prompt = self.segments[0].ledger.prompt_ids.copy() if self.segments else empty
@@ -235,14 +284,11 @@ class History:
             notes += [f"segment {segment.index}: {n}" for n in o.template_notes]
         last = parts[-1][1]
         notes += [r["reason"] for r in self.rewrites]
+        if self.template_unextendable is not None:
+            notes.append(f"the chat template cannot append observations token by token: {self.template_unextendable}")
         return AgentOutcome(
             prompt_ids=parts[0][1].prompt_ids, response_ids=np.concatenate(ids), response_mask=np.concatenate(mask),
             response_logprobs=np.concatenate(lps), finish_reason=finish_reason, num_turns=len(turns), turns=turns,
             template_append_only=len(parts) == 1 and all(o.template_append_only for _, o in parts),
             segments=ranges, submitted=finish_reason == "completed", messages=last.messages, template_notes=notes,
             metrics=all_metrics)
-
-
-def _context_full(message: str) -> BadRequest:
-    return BadRequest(message + "; the trajectory ends here (raise the agent's max_context_tokens for longer ones)",
-                      details={"code": "context_length_exceeded", "param": "messages"})

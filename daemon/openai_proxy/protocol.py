@@ -2,8 +2,8 @@
 
 Requests are parsed into :class:`ChatRequest` (messages normalised into :class:`ChatMessage`);
 replies are built from the model's text, whose Hermes ``<tool_call>{json}</tool_call>`` blocks
-become ``tool_calls``. What is accepted but not applied (sampling fields: the trainer's sampling
-parameters rule every turn, ``stop`` strings, ``tool_choice``) is listed in
+become ``tool_calls`` when the request offered tools (:class:`ToolChoice`). What is accepted but
+not applied (sampling fields: the trainer's sampling parameters rule every turn) is listed in
 ``ChatRequest.ignored`` so the trajectory can report it. Shapes follow the OpenAI API closely
 enough for the official SDK to parse them (tests drive it): ``chat.completion``,
 ``chat.completion.chunk`` with content and tool-call deltas, ``list`` of ``model``.
@@ -20,10 +20,17 @@ from typing import Any
 from rolloutd.daemon.agents.toolcalls import OPEN_TAG, TOOL_CALL
 from rolloutd.native_io.errors import BadRequest
 
+from .reply import ResponseFormat, parse_response_format, unsatisfied
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Fields the proxy reads, or accepts knowing it does not apply them.
 _APPLIED = {"model", "messages", "tools", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-            "n", "logprobs"}
+            "n", "logprobs", "top_logprobs", "tool_choice", "parallel_tool_calls", "stop", "response_format"}
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+"""Fields that ask nothing of the reply (who the caller is, what OpenAI would store or bill): accepted."""
+UNAPPLIED_MODES = ("refuse", "report")
+MAX_STOP_STRINGS = 4
+TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -83,17 +90,51 @@ class ChatMessage:
         return out
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a reply may hold, from ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+
+    mode: str = "none"
+    """``none`` (no tools offered, or ``tool_choice: "none"``: the reply is plain content),
+    ``auto``, ``required`` or ``function`` (the one named in :attr:`function`)."""
+    function: str | None = None
+    parallel: bool = True
+
+    def reply(self, text: str, *, finished: bool) -> tuple[str | None, tuple[ToolCallItem, ...]]:
+        """The model's text as content and tool calls; BadRequest (``param`` the field) when a
+        finished reply does not satisfy the choice. The model is not constrained while it
+        generates, so a reply that breaks the rule is refused, never rewritten to fit."""
+        if self.mode == "none":
+            return text, ()
+        content, calls = parse_reply(text)
+        if not finished:
+            return content, calls
+        if self.mode == "required" and not calls:
+            raise unsatisfied("tool_choice", "tool_choice is 'required' but the model's reply calls no tool")
+        if self.mode == "function" and (not calls or any(c.name != self.function for c in calls)):
+            raise unsatisfied("tool_choice", f"tool_choice names {self.function!r} but the model's reply calls "
+                                              f"{[c.name for c in calls] or 'no tool'}")
+        if not self.parallel and len(calls) > 1:
+            raise unsatisfied("parallel_tool_calls", f"parallel_tool_calls is false but the model's reply makes "
+                                                      f"{len(calls)} tool calls")
+        return content, calls
+
+
 @dataclass
 class ChatRequest:
     model: str
     messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    response_format: ResponseFormat = field(default_factory=ResponseFormat)
     ignored: list[str] = field(default_factory=list)
-    """Request fields accepted but not applied."""
+    """Request fields accepted but not applied (``unapplied="report"``)."""
 
     @property
     def tools_key(self) -> str:
@@ -150,7 +191,7 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
         raise BadRequest(f"{where} must be an object", details={"param": where})
-    role = ROLES.get(raw.get("role"))  # type: ignore[arg-type]
+    role = ROLES.get(raw["role"]) if isinstance(raw.get("role"), str) else None
     if role is None:
         raise BadRequest(f"{where}.role {raw.get('role')!r} is not one of {sorted(ROLES)}",
                          details={"param": f"{where}.role"})
@@ -163,10 +204,17 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
                        _optional_str(raw.get("name"), f"{where}.name"))
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """The request, or BadRequest naming the field at fault (``details["param"]``)."""
+def parse_chat_request(body: Any, *, unapplied: str = "refuse") -> ChatRequest:
+    """The request, or BadRequest naming the field at fault (``details["param"]``). A field the
+    proxy cannot apply (sampling fields: the trainer's sampling rules every turn) is refused, or
+    with ``unapplied="report"`` accepted and listed in :attr:`ChatRequest.ignored`."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    ignored = sorted(k for k, v in body.items() if k not in _APPLIED and k not in NO_EFFECT and v is not None)
+    if ignored and unapplied != "report":
+        raise BadRequest(f"{ignored[0]} cannot be honoured by this proxy (the trainer's sampling parameters rule "
+                         "every turn); leave it out, or set the agent's unapplied_fields to 'report' to accept and "
+                         "report such fields", details={"param": ignored[0], "code": "unsupported_parameter"})
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required (any name: the proxy serves one policy)", details={"param": "model"})
@@ -186,18 +234,68 @@ def parse_chat_request(body: Any) -> ChatRequest:
             for t in tools)):
         raise BadRequest("tools must be a list of {'type': 'function', 'function': {'name': ..., ...}}",
                          details={"param": "tools"})
+    tool_choice = _tool_choice(body, tools or [])
     n = body.get("n", 1)
     if n not in (1, None):
         raise BadRequest("n must be 1: one trajectory holds one sample per turn", details={"param": "n"})
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise BadRequest("max_completion_tokens/max_tokens must be an integer >= 1", details={"param": "max_tokens"})
-    options = body.get("stream_options") or {}
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins; a null one is absent
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadRequest(f"{name} must be an integer >= 1", details={"param": name})
+        max_tokens = value if max_tokens is None else max_tokens
+    for name in ("stream", "logprobs"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise BadRequest(f"{name} must be true or false", details={"param": name})
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise BadRequest("top_logprobs must be an integer from 0 to 20", details={"param": "top_logprobs"})
+    if top and not body.get("logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true", details={"param": "top_logprobs"})
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", details={"param": "stream_options"})
     return ChatRequest(
-        model=model, messages=messages, tools=tools or None, stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        max_tokens=max_tokens, logprobs=bool(body.get("logprobs")),
-        ignored=sorted(k for k, v in body.items() if k not in _APPLIED and v is not None))
+        model=model, messages=messages, tools=tools or None, tool_choice=tool_choice, stream=bool(body.get("stream")),
+        include_usage=bool(options and options.get("include_usage")), max_tokens=max_tokens,
+        logprobs=bool(body.get("logprobs")), top_logprobs=top or 0, stop=_stop(body.get("stop")),
+        response_format=parse_response_format(body.get("response_format")), ignored=ignored)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+                         details={"param": "stop"})
+    return tuple(stops)
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoice:
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be true or false", details={"param": "parallel_tool_calls"})
+    choice = body.get("tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    function = None
+    if choice is None:
+        mode = "auto"
+    elif isinstance(choice, str) and choice in TOOL_CHOICE_MODES:
+        mode = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        mode, function = "function", choice["function"]["name"]
+        if function not in names:
+            raise BadRequest(f"tool_choice names {function!r}, which is not among the tools {names}",
+                             details={"param": "tool_choice"})
+    else:
+        raise BadRequest(f"tool_choice must be one of {list(TOOL_CHOICE_MODES)} or {{'type': 'function', "
+                         "'function': {'name': ...}}", details={"param": "tool_choice"})
+    if mode in ("required", "function") and not tools:
+        raise BadRequest(f"tool_choice {choice!r} needs tools", details={"param": "tool_choice"})
+    return ToolChoice("none" if not tools else mode, function, parallel is not False)
 
 
 def new_call_id() -> str:
@@ -230,6 +328,18 @@ def parse_reply(text: str) -> tuple[str | None, tuple[ToolCallItem, ...]]:
     return content or None, tuple(calls)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a reply as ``logprobs.content`` lists it."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+    """The bytes the token stands for (part of a character's, where it holds part of one)."""
+    top: list[tuple[str, float, bytes]]
+    """The most likely tokens at its position (token, log-probability, bytes), most likely first."""
+
+
 @dataclass
 class Completion:
     """One answered request, ready to be written as a completion or a chunk stream."""
@@ -241,8 +351,8 @@ class Completion:
     """``stop``, ``length`` or ``tool_calls``."""
     prompt_tokens: int
     completion_tokens: int
-    logprobs: list[tuple[str, float]] | None = None
-    """(token text, log-probability) per generated token, when the request asked for them."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per token of the reply's text, when the request asked for them."""
     fingerprint: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -250,26 +360,32 @@ class Completion:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
+    def _logprobs(self) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in e.top]}
+                            for e in self.logprobs], "refusal": None}
+
     def body(self) -> dict[str, Any]:
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                    for t, lp in self.logprobs], "refusal": None}
+        logprobs = self._logprobs()
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint,
                 "choices": [{"index": 0, "message": self.message.api_dict(), "logprobs": logprobs,
                              "finish_reason": self.finish_reason}],
                 "usage": self.usage()}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def chunks(self, *, include_usage: bool) -> list[dict[str, Any]]:
-        """The stream's events: the role, the content in word-sized pieces, each tool call (id
-        and name first, then its arguments in pieces), the finish reason, and the usage."""
-        out = [self._chunk({"role": "assistant", "content": ""})]
+        """The stream's events: the role (with every token's log-probability when asked for:
+        the turn is whole before the stream starts), the content in word-sized pieces, each tool
+        call (id and name first, then its arguments in pieces), the finish reason, and the usage."""
+        out = [self._chunk({"role": "assistant", "content": ""}, logprobs=self._logprobs())]
         out += [self._chunk({"content": piece}) for piece in _pieces(self.message.content or "")]
         for i, call in enumerate(self.message.tool_calls):
             out.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",

@@ -1,7 +1,9 @@
 """The per-rollout HTTP server: OpenAI's chat routes on a Unix socket in the sandbox's run folder.
 
 Routes: ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``),
-``GET /v1/models``, ``GET /v1/models/{id}``. Every route needs ``Authorization: Bearer <key>``
+``GET /v1/models``, ``GET /v1/models/{id}`` (any id: chat serves the one policy under any model
+name, so every name is that model); ``POST /v1/completions`` is refused (404 naming the chat
+route: a text completion has no chat history to keep). Every route needs ``Authorization: Bearer <key>``
 with the rollout's own key. The socket sits in the lease's run folder, which the sandbox sees
 at ``/run/rolloutd``; nothing listens on TCP (a harness that needs a URL gets one from the
 loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
@@ -10,9 +12,10 @@ A streamed reply is written once the whole turn is generated (the inference pool
 turns): the role, the content in pieces, each tool call, the finish reason, the usage when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests
-refused (the SDK does not retry them), 401 for a wrong key, 502 when the inference servers
-failed (the SDK retries; the history is unchanged).
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, the HTTP layer's
+too: 400 for requests refused (the SDK does not retry them), 401 for a wrong key, 404 for an
+unknown route, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 502 when the
+inference servers failed (the SDK retries; the history is unchanged), 503 once the rollout is over.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 107
 MAX_BODY_BYTES = 64 * 1024 * 1024
 CLOSE_TIMEOUT_S = 5.0
+PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 def _error(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
@@ -48,7 +52,8 @@ def _error(status: int, message: str, *, type_: str = "invalid_request_error", c
 class OpenAIProxyServer:
     """Serves one :class:`ProxySession` on ``socket_path`` until :meth:`close`."""
 
-    def __init__(self, session: ProxySession, *, api_key: str, socket_path: Path) -> None:
+    def __init__(self, session: ProxySession, *, api_key: str, socket_path: Path,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         if not api_key:
             raise ConfigError("the OpenAI proxy needs an API key")
         if len(str(socket_path).encode()) > MAX_SOCKET_PATH:
@@ -56,6 +61,7 @@ class OpenAIProxyServer:
                               "limit; use a shorter sandbox state folder")
         self.session = session
         self.socket_path = socket_path
+        self.max_body_bytes = max_body_bytes
         self._key = api_key.encode()
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -63,10 +69,11 @@ class OpenAIProxyServer:
         self._closing = False
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._guard], client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/completions", self._completions)
         # A harness that disconnects mid-turn cancels the turn: it never saw the reply, so the
         # history must not hold it.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
@@ -109,6 +116,12 @@ class OpenAIProxyServer:
         self._in_flight.add(task)
         try:
             return await handler(request)
+        except web.HTTPException as e:  # the router's 404/405, the body's 413: in OpenAI's shape too
+            if e.status < 400:
+                raise
+            message = _HTTP_MESSAGES.get(e.status)
+            return _error(e.status, e.reason if message is None else message.format(
+                path=request.path, method=request.method, limit=self.max_body_bytes), code=_HTTP_CODES.get(e.status))
         finally:
             self._in_flight.discard(task)
 
@@ -116,19 +129,23 @@ class OpenAIProxyServer:
         return web.json_response(models_body(self.session.model, self._created))
 
     async def _model(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        if name != self.session.model:
-            return _error(404, f"The model {name!r} does not exist; this proxy serves {self.session.model!r}",
-                          code="model_not_found", param="model")
-        return web.json_response(model_body(name, self._created))
+        return web.json_response(model_body(request.match_info["model"], self._created))
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        return _error(404, "/v1/completions (text completions) is not served: the proxy keeps the token history of "
+                           "a chat; send the conversation to /v1/chat/completions", code="unsupported_endpoint")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            # A big body parses in a worker thread: the GIL passes back to the loop every few ms.
+            body = json.loads(raw) if len(raw) <= PARSE_ON_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:
+            return _error(400, "the request body nests JSON too deeply")
         try:
-            chat = parse_chat_request(body)
+            chat = parse_chat_request(body, unapplied=self.session.unapplied_fields)
             completion = await self.session.complete(chat)
         except BadRequest as e:
             return _error(400, str(e), code=_str(e.details.get("code")), param=_str(e.details.get("param")))
@@ -148,6 +165,14 @@ class OpenAIProxyServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+_HTTP_MESSAGES = {
+    404: "{method} {path} is not a route of this proxy: it serves /v1/chat/completions and /v1/models",
+    405: "{method} is not allowed on {path}",
+    413: "the request body is over the proxy's {limit} bytes",
+}
+_HTTP_CODES = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def _str(value: object) -> str | None:

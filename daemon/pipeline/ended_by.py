@@ -28,6 +28,8 @@ def ended_by(finish: str, error: RolloutdError | None, timed_out_stage: str | No
     """The ``Trajectory.ended_by`` of a sample that finished with ``finish``."""
     if finish == "cancelled":
         return "client"
+    if finish == "special_token":
+        return "task"  # the task's environment showed text the policy refuses; a rerun meets it again
     if finish == "timeout":
         return "sandbox" if timed_out_stage == "init" else "model"
     if finish != "error":

@@ -51,9 +51,11 @@ class PipelineLimits:
 
 class RolloutPipeline:
     def __init__(self, *, sandboxes: WarmPool, inference: ServerPool, tokenizer: Any, limits: PipelineLimits,
-                 cache_dir: Path, image: str = "default", binds: tuple[tuple[str, str, str], ...] = ()) -> None:
+                 cache_dir: Path, image: str = "default", binds: tuple[tuple[str, str, str], ...] = (),
+                 content_special_tokens: str = "text") -> None:
         """``binds``: extra ``(host path, sandbox path, "ro"|"rw")`` binds of every rollout's sandbox
-        (software a black-box harness needs, such as an SDK; the ``local`` backend ignores them)."""
+        (software a black-box harness needs, such as an SDK; the ``local`` backend ignores them).
+        ``content_special_tokens``: the node's default for the agents (their config may override it)."""
         self.sandboxes = sandboxes
         self.inference = inference
         self.tokenizer = tokenizer
@@ -61,6 +63,7 @@ class RolloutPipeline:
         self.cache_dir = cache_dir
         self.image = image
         self.binds = binds
+        self.content_special_tokens = content_special_tokens
         self.gates = {"init": StageGate("init", limits.init), "run": StageGate("run", limits.run),
                       "eval": StageGate("eval", limits.eval)}
         self.admitted = 0
@@ -151,6 +154,7 @@ class RolloutPipeline:
                     lease=lease, pool=self.inference, tokenizer=self.tokenizer, sampling=_sampling(args, index),
                     trajectory_id=trajectory_id, instance_id=task.instance_id,
                     problem_statement=task.problem_statement, workdir=workdir,
+                    content_special_tokens=self.content_special_tokens,
                     deadline=time.monotonic() + clock.remaining_s(args.run_timeout_s))
                 try:
                     outcome = await agent.run(ctx)

@@ -25,7 +25,7 @@ import numpy as np
 
 from rolloutd.daemon.inference.base import PAUSE_MODES, SamplingParams
 from rolloutd.daemon.policy.model import ReferenceModel
-from rolloutd.daemon.policy.sampling import sample_batch
+from rolloutd.daemon.policy.sampling import sample_batch, top_logprobs
 from rolloutd.native_io.errors import BadRequest, OperationTimeout
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ class EngineOutput:
     token_ids: list[int]
     logprobs: list[float]
     """float32 values (as Python floats)."""
+    top: list[list[tuple[int, float]]] | None
+    """Per generated token, the ``params.top_logprobs`` most likely (id, log-probability), most
+    likely first; None when none were asked for."""
     finish_reason: str
     weight_version: str
     prompt_tokens: int
@@ -65,6 +68,7 @@ class _Sequence:
     started: float
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
+    out_top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class PolicyEngine:
@@ -206,8 +210,9 @@ class PolicyEngine:
             return
         seq.future.set_result(EngineOutput(
             request_id=seq.req.request_id, token_ids=list(seq.out_ids), logprobs=list(seq.out_lps),
-            finish_reason=reason, weight_version=self.weight_version,
-            prompt_tokens=len(seq.req.prompt_ids), e2e_s=time.monotonic() - seq.started))
+            top=list(seq.out_top) if seq.req.params.top_logprobs else None, finish_reason=reason,
+            weight_version=self.weight_version, prompt_tokens=len(seq.req.prompt_ids),
+            e2e_s=time.monotonic() - seq.started))
 
     def _admit(self) -> None:
         self._running = [s for s in self._running if not s.future.done()]
@@ -232,28 +237,30 @@ class PolicyEngine:
             batch = list(self._running)
             started = time.monotonic()
             if len(batch) >= THREAD_BATCH:
-                tokens, logprobs = await asyncio.to_thread(self._compute, batch)
+                tokens, logprobs, top = await asyncio.to_thread(self._compute, batch)
             else:
-                tokens, logprobs = self._compute(batch)
-            self._apply(batch, tokens, logprobs)
+                tokens, logprobs, top = self._compute(batch)
+            self._apply(batch, tokens, logprobs, top)
             self.steps += 1
             wait = self._step_s - (time.monotonic() - started)
             await asyncio.sleep(max(wait, 0.0))
             occupied = min(len(batch), self._slots) / self._slots if self._slots else 1.0
             self._busy_s += occupied * (time.monotonic() - started)
 
-    def _compute(self, batch: list[_Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def _compute(self, batch: list[_Sequence]) -> tuple[np.ndarray, np.ndarray, list[list[tuple[int, float]]]]:
         logits = self.model.logits(np.array([s.context for s in batch], dtype=np.int64))
         forced = [s.req.forced[len(s.out_ids)] if s.req.forced is not None else None for s in batch]
         tokens, logprobs = sample_batch(logits, [s.req.params for s in batch], [s.rng for s in batch], forced)
-        return tokens, logprobs.astype(np.float32)
+        return tokens, logprobs.astype(np.float32), top_logprobs(logits, [s.req.params.top_logprobs for s in batch])
 
-    def _apply(self, batch: list[_Sequence], tokens: np.ndarray, logprobs: np.ndarray) -> None:
-        for seq, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist()):
+    def _apply(self, batch: list[_Sequence], tokens: np.ndarray, logprobs: np.ndarray,
+               top: list[list[tuple[int, float]]]) -> None:
+        for seq, tok, lp, best in zip(batch, tokens.tolist(), logprobs.tolist(), top):
             if seq.future.done():  # aborted while the step ran
                 continue
             seq.out_ids.append(tok)
             seq.out_lps.append(lp)
+            seq.out_top.append(best)
             seq.context = seq.context[1:] + [tok]
             if tok in seq.stops:
                 self._finish(seq, "stop")

@@ -7,6 +7,7 @@ Shapes follow the vLLM documentation summarised in shared/notes/inference_protoc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -19,6 +20,7 @@ from rolloutd.daemon.policy.state import (
     MAX_MODEL_LEN,
     STATE,
     PolicyState,
+    logprobs_wanted,
     only_sampled_logprob,
     read_json,
     sampling_params,
@@ -44,12 +46,15 @@ async def generate_tokens(request: web.Request) -> web.Response:
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params must be a JSON object")
     params = sampling_params(sp, max_key="max_tokens", default_max=VLLM_DEFAULT_MAX_TOKENS, seed_key="seed")
-    with_logprobs = only_sampled_logprob(sp.get("logprobs"), "sampling_params.logprobs")
+    top = logprobs_wanted(sp.get("logprobs"), "sampling_params.logprobs")
     # vLLM 0.32 tracks the request (and aborts it) under this prefixed id.
     rid = f"generate-tokens-{body.get('request_id') or uuid.uuid4().hex}"
-    out = await state.run(prompt, params, rid)
-    logprobs = {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
-                            for t, lp in zip(out.token_ids, out.logprobs)]} if with_logprobs else None
+    out = await state.run(prompt, dataclasses.replace(params, top_logprobs=top or 0), rid)
+    best = out.top or [[] for _ in out.token_ids]
+    logprobs = {"content": [{"token_id": t, "logprob": lp,
+                             "top_logprobs": [{"token_id": i, "logprob": v} for i, v in alternatives]}
+                            for t, lp, alternatives in zip(out.token_ids, out.logprobs, best)]
+                } if top is not None else None
     return web.json_response({
         "request_id": rid,
         "model": state.model_name,

@@ -52,6 +52,19 @@ def sample_batch(logits: np.ndarray, params: Sequence[SamplingParams], rngs: Seq
     return tokens, logprobs
 
 
+def top_logprobs(logits: np.ndarray, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Per row, the ``ks[row]`` most likely (token, raw log-probability), most likely first (ties
+    to the lower id); empty rows where ``ks[row]`` is 0."""
+    out: list[list[tuple[int, float]]] = [[] for _ in ks]
+    for row, k in enumerate(ks):
+        if k:
+            lp = logits[row] - logits[row].max()
+            lp = lp - np.log(np.exp(lp).sum())
+            best = np.argsort(-lp, kind="stable")[:k]
+            out[row] = [(int(t), float(np.float32(lp[t]))) for t in best]
+    return out
+
+
 def _sample_filtered(shifted: np.ndarray, p: SamplingParams, u: float) -> int:
     scaled = shifted / p.temperature
     weights = np.exp(scaled - scaled.max())

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.base import MAX_TOP_LOGPROBS, SamplingParams
 from rolloutd.daemon.policy.engine import EngineOutput, EngineRequest, PolicyEngine
 from rolloutd.daemon.policy.scripted import ScriptedReplies
 from rolloutd.daemon.policy.tokenizer import SpecialIds
@@ -85,14 +85,26 @@ def sampling_params(body: dict[str, Any], *, max_key: str, default_max: int, see
 
 
 def only_sampled_logprob(k: Any, name: str) -> bool:
-    """Whether the caller asked for log-probabilities; the reference server reports only the
-    sampled token's (top-k alternatives are not computed), so k > 0 is refused."""
+    """Whether the caller asked for log-probabilities; for routes that report only the sampled
+    token's, so k > 0 is refused."""
     if k is None or k is False:
         return False
     if k is True or k == 0:
         return True
-    raise BadRequest(f"{name}={k!r}: the reference server returns only the sampled token's "
+    raise BadRequest(f"{name}={k!r}: this route of the reference server returns only the sampled token's "
                      f"log-probability; send {name}=0")
+
+
+def logprobs_wanted(k: Any, name: str) -> int | None:
+    """None (no log-probabilities), or how many top alternatives to report beside the sampled
+    token's (``k``, 0 to MAX_TOP_LOGPROBS)."""
+    if k is None or k is False:
+        return None
+    if k is True:
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{name}={k!r}: must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+    return k
 
 
 @web.middleware

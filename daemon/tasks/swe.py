@@ -100,6 +100,15 @@ class SweTaskType(TaskType):
         return workdir
 
     async def evaluate(self, task: Task, lease: "Lease", workdir: str, *, timeout_s: float) -> EvalResult:
+        # The agent's change, taken before the evaluation's files and test patch go in (trainers
+        # and the published server's clients read it as ``git_patch``).
+        diff = await lease.run(f"cd {shlex.quote(workdir)} && git add -A && git diff --cached --no-color HEAD -- . "
+                               "':(exclude)*.pyc'", timeout_s=60)
+        result = await self._grade(task, lease, workdir, timeout_s=timeout_s)
+        result.details["git_patch"] = diff.output if diff.exit_code == 0 and not diff.truncated else None
+        return result
+
+    async def _grade(self, task: Task, lease: "Lease", workdir: str, *, timeout_s: float) -> EvalResult:
         rec = task.record
         for rel, text in rec.get("eval_files", {}).items():
             await write_file(lease, f"{workdir}/{rel}", text.encode())
