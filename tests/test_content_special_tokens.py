@@ -155,7 +155,7 @@ def test_a_proxy_message_holding_an_added_tokens_text_encodes_it_as_text(templat
 def editor_views(short_tmp: Path) -> Iterator[dict[str, str]]:
     """``str_replace_editor`` views (through a real local sandbox's shell) of a file holding every
     added token's text of each template's tokenizer, one per line."""
-    from inference_support import run
+    from support.loop import run
 
     async def views() -> dict[str, str]:
         lease = await open_lease(LocalBackend(short_tmp).create(SandboxSpec(ipython=False)))

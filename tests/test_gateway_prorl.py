@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import uvloop
 
 import prorl_clients as pc
 from daemon_fixtures import node_daemon
@@ -397,7 +398,7 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
             finally:
                 os.kill(node_pid, signal.SIGCONT)
 
-        took = asyncio.run(in_flight_then_sigterm())
+        took = uvloop.run(in_flight_then_sigterm())
         assert proc.returncode == 0 and took < STOP_WITHIN_S + 2, (took, proc.stderr.read())
     finally:
         if proc.poll() is None:
