@@ -22,6 +22,7 @@ import pytest
 import uvloop
 
 from daemon_fixtures import node_daemon
+from support.waits import async_poll
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.mapping import DataSources
 from rolloutd.daemon.gateway.server import serve_gateway
@@ -39,6 +40,8 @@ def _call(text: str) -> str:
     return f'{text}\n<tool_call>\n{json.dumps({"name": "bash", "arguments": {"command": text}})}\n</tool_call>'
 
 
+GATEWAY_WAIT_S = 10.0
+"""A job shows in /status, and the node reports a stage or goes idle, well within this."""
 SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
 PLANS = {"wordwrap-001": oracle_plans()["wordwrap-001"], "slow-1": [_call("sleep 30")],
          "echo-1": [_call("echo hi > out.txt"), SUBMIT]}
@@ -177,22 +180,14 @@ async def test_no_inference_server_is_503(stack: tuple[str, str]) -> None:
 
 
 async def _wait_pending(http: Http, job_id: str) -> None:
-    for _ in range(100):
-        status, body = await http("GET", "/status")
-        if job_id in body.get("jobs", {}):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id} never showed in /status")
+    await async_poll(lambda: http("GET", "/status"), lambda answer: job_id in answer[1].get("jobs", {}),
+                     GATEWAY_WAIT_S, f"job {job_id} listed in /status")
 
 
-async def _node_idle(gw: Any) -> bool:
-    """Whether the node holds no request and no leased sandbox any more (it reports once a second)."""
-    for _ in range(100):
-        st = await gw.client.status()
-        if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
-            return True
-        await asyncio.sleep(0.1)
-    return False
+async def _node_idle(gw: Any) -> None:
+    """Until the node holds no request and no leased sandbox any more (it reports once a second)."""
+    await async_poll(gw.client.status, lambda st: st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0,
+                     GATEWAY_WAIT_S, "the node idle: the timed-out job no longer runs there")
 
 
 async def test_time_out_is_504_and_cancels_the_job(stack: tuple[str, str]) -> None:
@@ -203,7 +198,7 @@ async def test_time_out_is_504_and_cancels_the_job(stack: tuple[str, str]) -> No
         status, body = await http("POST", "/process", {"instance": SLOW, "sampling_params": {}, "job_id": "slow"})
         assert (status, body["code"]) == (504, "TIMEOUT") and "cancelled" in body["detail"], body
         assert (await http("GET", "/status"))[1]["pending_jobs"] == 0
-        assert await _node_idle(gw), "the timed-out job still runs on the node"
+        await _node_idle(gw)
 
 
 async def test_stage_time_limit_is_a_result_with_timeout_triggered(stack: tuple[str, str]) -> None:
@@ -223,16 +218,15 @@ async def test_cancel_and_stop_end_pending_jobs(stack: tuple[str, str]) -> None:
         await http("POST", "/start")
         job = asyncio.ensure_future(http("POST", "/process", {"instance": SLOW, "sampling_params": {}, "job_id": "c1"}))
         await _wait_pending(http, "c1")
-        for _ in range(100):  # cancel it in its run stage, while `sleep 30` runs in its sandbox
-            if (await gw.client.status())["sandboxes"]["leased"]:
-                break
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        # Cancel it in its run stage (where the agent's `sleep 30` runs), as the node reports it.
+        await async_poll(gw.client.status, lambda st: any(
+            w.get("pipeline", {}).get("stages", {}).get("run", {}).get("in_use") for w in st["workers"]),
+            GATEWAY_WAIT_S, "the job in the node's run stage")
         assert (await http("POST", "/cancel", {"job_id": "no-such-job"}))[1]["pending"] is False
         status, ack = await http("POST", "/cancel", {"job_id": "c1"})
         assert status == 200 and ack["pending"] is True
         status, r = await asyncio.wait_for(job, 10)
-        assert status == 200 and r["finish_reason"] == "cancelled" and r["timing"]["run_time"] > 0.5, r
+        assert status == 200 and r["finish_reason"] == "cancelled" and r["timing"]["run_time"] > 0, r
 
         job = asyncio.ensure_future(http("POST", "/process", {"instance": SLOW, "sampling_params": {}, "job_id": "c2"}))
         await _wait_pending(http, "c2")
@@ -243,7 +237,7 @@ async def test_cancel_and_stop_end_pending_jobs(stack: tuple[str, str]) -> None:
         status, body = await asyncio.wait_for(job, 20)
         assert (status, body["code"]) == (503, "SHUTTING_DOWN"), body
         assert gw.added == {} and gw.buffered == [url]  # taken out of the node, applied again at /start
-        assert await _node_idle(gw)
+        await _node_idle(gw)
 
 
 def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
