@@ -33,6 +33,9 @@ from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 from rolloutd.native_io.trajectory import Trajectory, pack_batch
 
+POLICY_STOP_TIMEOUT_S = 30.0
+"""The reference policy server exits on SIGTERM within this (its shutdown is bounded at 5 s)."""
+
 
 @contextmanager
 def policy_server(plans_file: Path, api_key: str, extra: list[str] | None = None) -> Iterator[str]:
@@ -48,7 +51,7 @@ def policy_server(plans_file: Path, api_key: str, extra: list[str] | None = None
         yield line.split()[1]
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=POLICY_STOP_TIMEOUT_S)
         if proc.stdout:
             proc.stdout.close()
 

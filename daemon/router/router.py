@@ -57,6 +57,8 @@ from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_c
 log = logging.getLogger(__name__)
 
 NODE_TYPES = frozenset({MsgType.NODE})
+TICK_MAX_S = 0.25
+"""The router looks at heartbeats and waiting requests at least this often."""
 PROBE_DELAYS_S = (0.02, 0.3)
 """After a node connection closes: its pipe goes away a moment after the event; probe once soon
 and once later."""
@@ -257,7 +259,7 @@ class Router:
     async def _tick_loop(self) -> None:
         cfg = self.config
         while True:
-            await asyncio.sleep(min(0.25, cfg.heartbeat_interval_s / 2))
+            await asyncio.sleep(min(TICK_MAX_S, cfg.heartbeat_interval_s / 2))
             now = time.monotonic()
             for node in self.table:
                 if now - node.last_seen > cfg.heartbeat_timeout_s:

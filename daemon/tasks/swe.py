@@ -38,6 +38,8 @@ REPO_FOLDER = "repo"
 GIT_CHECKOUT_TIMEOUT_S = 300.0
 """A checkout of ``base_commit`` in a large repository, with ``git clean``."""
 GIT_APPLY_TIMEOUT_S = 60.0
+GIT_DIFF_TIMEOUT_S = 60.0
+"""The agent's change as a patch (``git add -A && git diff``), before the evaluation."""
 
 
 class SweTaskType(TaskType):
@@ -103,7 +105,7 @@ class SweTaskType(TaskType):
         # The agent's change, taken before the evaluation's files and test patch go in (trainers
         # and the published server's clients read it as ``git_patch``).
         diff = await lease.run(f"cd {shlex.quote(workdir)} && git add -A && git diff --cached --no-color HEAD -- . "
-                               "':(exclude)*.pyc'", timeout_s=60)
+                               "':(exclude)*.pyc'", timeout_s=GIT_DIFF_TIMEOUT_S)
         result = await self._grade(task, lease, workdir, timeout_s=timeout_s)
         result.details["git_patch"] = diff.output if diff.exit_code == 0 and not diff.truncated else None
         return result
