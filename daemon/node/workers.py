@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ class Workers:
         self._on_died = on_died
         self._counters = counters
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[WorkerHandle]:
         return iter(self.handles.values())
 
     def __len__(self) -> int:
