@@ -85,7 +85,7 @@ async def main() -> int:
     results: dict[str, float] = {}
     rows = []
     state = Path(tempfile.mkdtemp(prefix="rld-b-"))
-    backend = ApptainerBackend(state)
+    backend = ApptainerBackend(state, uncontained_root_ok=True)
     spec = SandboxSpec(ipython=True, network=True)  # network: the tcp kernel baseline needs loopback
     lease: Lease = await open_lease(backend.create(spec))
     try:

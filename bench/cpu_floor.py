@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.daemon.agents.tokens import TokenCodec
+from rolloutd.daemon.agents.codec import TokenCodec
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.daemon.inference.pool import ServerPool
@@ -47,7 +47,7 @@ async def measure_floor(url: str, api_key: str, *, prompt_ids: list[int], observ
                         reps: int = 15) -> tuple[dict[str, float], float]:
     """(ms per turn of each part, ms of one sandbox's life)."""
     with tempfile.TemporaryDirectory(prefix="rld-floor-") as state:
-        backend = ApptainerBackend(Path(state))
+        backend = ApptainerBackend(Path(state), uncontained_root_ok=True)
 
         async def sandbox_life() -> None:
             await (await open_lease(backend.create(SandboxSpec()))).destroy()

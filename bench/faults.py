@@ -10,8 +10,9 @@ same run folder must reap what the dead one left.
 
 Reported: ``requests``, ``answered_once``, ``lost`` (no answer), ``duplicated`` (more than one),
 ``infra_marked`` (trajectories whose ``ended_by`` is not the model: never scored),
-``leftover_processes`` (processes still using the node's folders), ``leftover_instances``
-(Apptainer instances still alive), ``leftover_shm`` (the daemons' shared-memory segments). Not
+``leftover_processes`` (processes still using the node's folders or in its memory cgroups),
+``leftover_instances`` (Apptainer instances still alive), ``leftover_shm`` (the daemons'
+shared-memory segments), ``leftover_cgroups`` (a root daemon's memory cgroup folders). Not
 injected here: a full disk (``tests/test_pool.py`` fills a tmpfs) and kill -9 of a node under a
 router (``tests/test_router.py``).
 """
@@ -40,9 +41,11 @@ from router_support import RawTrainer  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.daemon.node.config import NodeConfig  # noqa: E402
 from rolloutd.cli.run_lock import running_pid  # noqa: E402
+from rolloutd.daemon.node.config import NodeConfig  # noqa: E402
 from rolloutd.daemon.node.sandbox_user import workers_dir  # noqa: E402
+from rolloutd.daemon.sandbox.cgroups import DELEGATED_PREFIX, MemoryCgroups  # noqa: E402
+from rolloutd.native_io.wire import MsgType  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 from rolloutd.native_io import shm  # noqa: E402
 from rolloutd.native_io.errors import DaemonLost  # noqa: E402
@@ -102,7 +105,14 @@ def leftovers(run_dir: Path, states: Path, instances: set[int], daemon_pids: lis
         procs += any(m in text for m in marks)
     alive = sum(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in instances)
     segments = sum(len(shm.list_segments(f"rld{os.getuid()}-{pid}-")) for pid in daemon_pids)
-    return {"leftover_processes": procs, "leftover_instances": alive, "leftover_shm": segments}
+    # A root daemon's sandboxes live in memory cgroups under this process's own (it inherits it):
+    # every process of every sandbox is listed there, also those no state folder names any more.
+    own = MemoryCgroups.discover() if os.getuid() == 0 else None
+    tree = own.parent / f"{DELEGATED_PREFIX}{states.name}" if own else None
+    folders = [tree, *(p for p in tree.rglob("*") if p.is_dir())] if tree and tree.is_dir() else []
+    in_cgroups = sum(len((f / "cgroup.procs").read_text().split()) for f in folders)
+    return {"leftover_processes": procs + in_cgroups, "leftover_instances": alive, "leftover_shm": segments,
+            "leftover_cgroups": len(folders)}
 
 
 def first_batch(address: str, n: int, tasks: list[str], max_turns: int, states: Path,
@@ -197,7 +207,7 @@ def main() -> int:
          batch["lost"] == 0 and batch["duplicated"] == 0 and batch["answered_once"] == batch["requests"]),
         ("supervisor killed: every call answered (DAEMON_LOST or done)",
          killed["answered_once"] == killed["requests"]),
-        ("no leftover process, instance or segment", not any(left.values())),
+        ("no leftover process, instance, segment or cgroup", not any(left.values())),
     ])
     return 0 if ok else 1
 

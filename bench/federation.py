@@ -26,7 +26,7 @@ from rolloutd.client.async_client import AsyncRolloutClient  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
 from rolloutd.native_io.curve import CurveClient, keygen  # noqa: E402
 
-NODE = ("--backend", "local", "--workers", "1", "--warm", "0")
+NODE = ("--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops")
 OP, ARGS = "debug.sleep", {"seconds": 0.0}
 """The probe: a request a worker answers at once, so the timing is all transport."""
 

@@ -62,7 +62,7 @@ def main() -> int:
     results: dict[str, float] = {}
     rows = []
     run_dir = Path(tempfile.mkdtemp(prefix="rld-tt-"))
-    with node_daemon(run_dir, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+    with node_daemon(run_dir, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops") as address:
         with RolloutClient(address) as shm_client, RolloutClient(address, arrays="frames") as frame_client:
             for label, n in SIZES.items():
                 nbytes = n * BYTES_PER_TOKEN

@@ -45,6 +45,7 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
         "router_slots": args.router_slots, "curve_secret_key_file": args.curve_secret_key_file,
         "curve_allowed_keys_dir": args.curve_allowed_keys_dir, "content_special_tokens": args.content_special_tokens,
         "inference_api_key_file": args.inference_api_key_file,
+        "debug_ops": args.debug_ops or None,
     }
     return load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
 
@@ -89,7 +90,7 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                        tcp_bind=None, inference_server=None, log_level=None, node_name=None,
                        router_public_key_file=None, router_slots=None, curve_secret_key_file=None,
                        curve_allowed_keys_dir=None, content_special_tokens=None,
-                       inference_api_key_file=None)
+                       inference_api_key_file=None, debug_ops=False)
         if name == "start":
             p.add_argument("--detach", action="store_true",
                            help="run in the background (new session, output to the log file); return once it answers")
@@ -113,6 +114,8 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                            help="added tokens' text in tool output and other non-model text (default text)")
             p.add_argument("--inference-api-key-file", help="file (mode 0600) holding the inference servers' bearer token")
             p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+            p.add_argument("--debug-ops", action="store_true",
+                           help="answer debug.* operations (tests, benchmarks); refused otherwise")
         elif name == "stop":
             p.add_argument("--timeout-s", type=float, default=20.0, help="graceful budget before SIGKILL")
         elif name == "drain":

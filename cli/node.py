@@ -21,6 +21,7 @@ from rolloutd.daemon.node.reaper import reap_state_dir
 from rolloutd.daemon.node.router_link import DRAIN_SIGNAL, RESUME_SIGNAL, read_state
 from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.daemon.node.supervisor import Supervisor
+from rolloutd.daemon.sandbox import cgroups
 from rolloutd.native_io import shm
 from rolloutd.native_io.errors import RolloutdError
 
@@ -70,6 +71,7 @@ def _cleanup_after(config: NodeConfig, pid: int | None) -> None:
         for state in workers.iterdir():
             reap_state_dir(state)
         shutil.rmtree(workers, ignore_errors=True)
+    cgroups.remove_delegated(config.run_path / cgroups.RECORD_FILE)
     if pid is not None:
         for name in shm.list_segments(f"rld{os.getuid()}-{pid}-"):
             shm.unlink(name)

@@ -110,7 +110,34 @@ class Reply:
     """Shared-memory segments backing ``arrays``; give them back with ``release``."""
 
 
-class AsyncRolloutClient:
+class InferenceControl:
+    """The node's inference servers and weights, as every worker of the node applies them (a
+    part of :class:`AsyncRolloutClient`)."""
+
+    async def request(self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                      request_id: str | None = None) -> Reply:
+        raise NotImplementedError
+
+    async def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
+        """Every worker of the node adds ``address``; ``api_key`` is its bearer token when it is
+        not the node's own ``inference_api_key``."""
+        args = {"address": address, **({"api_key": api_key} if api_key else {})}
+        return (await self.request("inference.add_server", args)).result
+
+    async def remove_inference_server(self, address: str) -> dict[str, Any]:
+        return (await self.request("inference.remove_server", {"address": address})).result
+
+    async def set_weight_version(self, version: str) -> dict[str, Any]:
+        return (await self.request("inference.set_weight_version", {"version": version})).result
+
+    async def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
+        return (await self.request("inference.pause", {"mode": mode})).result
+
+    async def resume_inference(self) -> dict[str, Any]:
+        return (await self.request("inference.resume")).result
+
+
+class AsyncRolloutClient(InferenceControl):
     def __init__(self, address: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  arrays: str = "auto", curve: Any = None) -> None:
         self.address = address or default_address()
@@ -124,6 +151,8 @@ class AsyncRolloutClient:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._rollouts: dict[str, asyncio.Future[Reply]] = {}
         self._rollout_deadlines: dict[str, float] = {}
+        self._rollout_askers: dict[str, int] = {}
+        """How many submits of each id still wait for its result (an id submitted twice joins)."""
         self._held_segments: set[str] = set()
         self._segment_maps = shm.SegmentMaps()
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
@@ -243,6 +272,9 @@ class AsyncRolloutClient:
         if self._events is not None:
             self._events.catch_up()  # a disconnect seen before this call is not this call's
         rid = request_id or f"{self._id_prefix}{next(self._ids)}"
+        joined = self._waiters.get(rid)
+        if joined is not None and not joined.done():
+            return rid, joined  # the same id in flight: one request, its one answer for every caller
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport})
@@ -272,6 +304,7 @@ class AsyncRolloutClient:
         for req in requests:
             rid, fut = await self._start("rollout", req.to_args(), req.request_id)
             self._rollouts[rid] = fut
+            self._rollout_askers[rid] = self._rollout_askers.get(rid, 0) + 1
             self._rollout_deadlines[rid] = loop.time() + req.timeout_s + RESULT_MARGIN_S
             ids.append(rid)
         return ids
@@ -298,14 +331,18 @@ class AsyncRolloutClient:
                 raise OperationTimeout(f"{len(pending)} rollouts did not finish within {timeout_s} s (timeout_s); "
                                        "they were cancelled")
             for fut in done:
-                yield self._result(futs[fut], fut)
+                yield self._result(futs[fut], fut, asked=ids.count(futs[fut]))
 
     async def results(self, ids: list[str], *, timeout_s: float | None = None) -> dict[str, RolloutResult]:
         return {r.request_id: r async for r in self.as_completed(ids, timeout_s=timeout_s)}
 
-    def _result(self, rid: str, fut: asyncio.Future[Reply]) -> RolloutResult:
-        self._rollouts.pop(rid, None)
-        self._rollout_deadlines.pop(rid, None)
+    def _result(self, rid: str, fut: asyncio.Future[Reply], asked: int = 1) -> RolloutResult:
+        """``asked``: how many of the submits of ``rid`` this result answers (ids listed twice)."""
+        self._rollout_askers[rid] = self._rollout_askers.get(rid, asked) - asked
+        if self._rollout_askers[rid] <= 0:  # the last submit of this id has its answer
+            self._rollout_askers.pop(rid)
+            self._rollouts.pop(rid, None)
+            self._rollout_deadlines.pop(rid, None)
         self._waiters.pop(rid, None)
         exc = fut.exception()
         if exc is not None:
@@ -313,7 +350,12 @@ class AsyncRolloutClient:
                 raise exc
             return RolloutResult(rid, [], error=exc)
         reply = fut.result()
-        return RolloutResult(rid, unpack_batch(reply.result["trajectories"], reply.arrays), reply=reply)
+        trajectories = unpack_batch(reply.result["trajectories"], reply.arrays)
+        if rid in self._rollout_askers:
+            # Another submit of this id still waits for it: this one gets private copies, so the
+            # last one's release cannot pull the shared memory from under it.
+            return RolloutResult(rid, [t.copy() for t in trajectories])
+        return RolloutResult(rid, trajectories, reply=reply)
 
     async def cancel(self, request_id: str) -> None:
         if self._sock is not None:
@@ -332,26 +374,6 @@ class AsyncRolloutClient:
 
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return (await self.request("status", timeout_s=timeout_s)).result
-
-    # --- inference servers, applied by every worker of the node -------------------------------
-
-    async def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
-        """Every worker of the node adds ``address``; ``api_key`` is its bearer token when it is
-        not the node's own ``inference_api_key``."""
-        args = {"address": address, **({"api_key": api_key} if api_key else {})}
-        return (await self.request("inference.add_server", args)).result
-
-    async def remove_inference_server(self, address: str) -> dict[str, Any]:
-        return (await self.request("inference.remove_server", {"address": address})).result
-
-    async def set_weight_version(self, version: str) -> dict[str, Any]:
-        return (await self.request("inference.set_weight_version", {"version": version})).result
-
-    async def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
-        return (await self.request("inference.pause", {"mode": mode})).result
-
-    async def resume_inference(self) -> dict[str, Any]:
-        return (await self.request("inference.resume")).result
 
     async def open_sandbox(self, **kwargs: Any) -> "AsyncSandbox":
         """Lease a sandbox (kwargs as ``SandboxOpenArgs``: image, network, ipython, writable, timeout_s)."""

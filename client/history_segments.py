@@ -14,6 +14,7 @@ then). Trajectories without rewrites come back as one segment, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ def split_history_segments(trajectory: Any) -> list[HistorySegment]:
         own_prompt = 0 if k == 0 else int(seg["prompt_tokens"])
         body = start + own_prompt
         prompt = t.prompt_ids if k == 0 else t.response_ids[start:body]
-        turns = [TurnRecord(r.start - body, r.end - body, r.weight_version, r.finish_reason, r.server)
+        turns = [dataclasses.replace(r, start=r.start - body, end=r.end - body)
                  for r in t.turns if body <= r.start < end]
         out.append(HistorySegment(prompt, t.response_ids[body:end], t.response_mask[body:end],
                                   t.response_logprobs[body:end], turns))

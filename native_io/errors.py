@@ -54,6 +54,12 @@ class DuplicateRequest(RolloutdError, ValueError):
     code = "DUPLICATE_REQUEST"
 
 
+class InvalidTrajectory(RolloutdError, ValueError):
+    """A trajectory breaks an invariant a trainer relies on (``rolloutd.client.validate``)."""
+
+    code = "INVALID_TRAJECTORY"
+
+
 class PermissionDenied(RolloutdError, PermissionError):
     code = "PERMISSION_DENIED"
 

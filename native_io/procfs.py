@@ -81,6 +81,39 @@ def live_processes() -> list[ProcInfo]:
     return out
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss(pid: str) -> int:
+    try:
+        fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return int(os.read(fd, 256).split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+    finally:
+        os.close(fd)
+
+
+def _session_of(pid: str) -> int | None:
+    stat = _stat(pid)
+    return None if stat is None else int(stat[stat.rfind(b")") + 2 :].split()[3])
+
+
+def rss_census(kind: str, keys: set[int]) -> Counter[int]:
+    """Resident bytes per PID namespace (``kind`` "pidns") or session ("session"), for the keys
+    asked: one pass over /proc that reads memory only of the processes in ``keys`` (pages two of
+    them share count twice: an upper bound)."""
+    key_of = pidns_of if kind == "pidns" else _session_of
+    out: Counter[int] = Counter()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (key := key_of(entry.name)) in keys:
+            out[key] += _rss(entry.name)
+    return out
+
+
 def session_census() -> Counter[int]:
     """Live processes per session id."""
     return Counter(p.session for p in live_processes())

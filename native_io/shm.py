@@ -26,10 +26,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .errors import BadRequest, NotFound
+from . import framing
 from .framing import ArrayRef
 
 SHM_DIR = Path("/dev/shm")
@@ -210,6 +212,52 @@ class SegmentMaps:
 
     def clear(self) -> None:
         self._maps.clear()
+
+
+def self_contained(frames: list[Any], *, max_bytes: int | None) -> list[bytes] | None:
+    """A copy of a message whose arrays all travel inside it: arrays that live in shared-memory
+    segments are read into frames of their own. A kept or re-sent answer must not name segments,
+    because a segment goes back to its worker's arena once released and holds another reply's
+    arrays after that. None when the copy would pass ``max_bytes`` or a segment is gone."""
+    msg_type, header, buffers = framing.decode(frames, max_bytes=1 << 62, known_types=frozenset(range(256)))
+    refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs") or []]
+    size = sum(len(_bytes(f)) for f in frames) + sum(r.nbytes for r in refs if r.segment is not None)
+    if max_bytes is not None and size > max_bytes:
+        return None
+    out = [_bytes(b) for b in buffers]
+    inline = []
+    for ref in refs:
+        if ref.segment is not None:
+            try:
+                data = _read(ref.segment, ref.offset, ref.nbytes)
+            except (OSError, BadRequest):  # gone, or cut short: nothing to keep
+                return None
+            ref = framing.ArrayRef(ref.key, ref.dtype, ref.shape, None, len(out))
+            out.append(data)
+        inline.append(ref.to_wire())
+    if not any(r.segment is not None for r in refs):
+        return [_bytes(f) for f in frames]
+    header = {k: v for k, v in header.items() if k != "v"} | {"refs": inline}
+    return framing.encode(msg_type, header, out)
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame if isinstance(frame, bytes) else bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def _read(name: str, offset: int, size: int) -> bytes:
+    fd = os.open(SHM_DIR / _check_name(name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts, done = [], 0
+        while done < size:
+            part = os.pread(fd, size - done, offset + done)
+            if not part:
+                raise BadRequest(f"segment {name} ends before byte {offset + size}")
+            parts.append(part)
+            done += len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def unlink(name: str) -> bool:

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
-                            "special_token", "error"})
+FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "eval_timeout",
+                            "cancelled", "special_token", "error"})
 INFRA_KINDS = frozenset({"sandbox", "inference", "daemon"})
 """What ``ended_by`` names when infrastructure ended a trajectory: the daemon refills these."""
-ENDED_BY = frozenset({"model", "client", "request", "task", "agent"}) | INFRA_KINDS
+ENDED_BY = frozenset({"model", "client", "deadline", "request", "task", "agent"}) | INFRA_KINDS
 
 
 @dataclass
@@ -28,11 +28,24 @@ class TurnRecord:
     end: int
     """One past the turn's last generated token (``response_mask[start:end]`` is all 1)."""
     weight_version: str
-    """The inference server's weight version when it produced this turn."""
+    """The weights that produced this turn: the newest of ``weight_spans`` where the server reports
+    per-token versions (vLLM >= 0.32), else the version the turn was sent under."""
     finish_reason: str
     """The server's finish reason for the turn: ``stop``, ``length`` or ``abort``."""
     server: str = ""
     """Address of the inference server that produced the turn."""
+    sent_version: str = ""
+    """The weight version set on the pool when the turn was sent."""
+    weight_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(version, start, end)`` runs of the turn's tokens under one version, counted from the
+    turn's first token, as the server reported them; empty where it reports none."""
+    straddled: bool = False
+    """The turn's tokens may come from more than one weight version: the server reported several
+    spans, or (reporting none) the version was changed while the turn was generated. A trainer
+    that needs on-policy tokens drops or reweights such a turn."""
+
+    def __post_init__(self) -> None:
+        self.weight_spans = [(str(v), int(a), int(b)) for v, a, b in self.weight_spans]  # lists after the wire
 
 
 @dataclass
@@ -64,8 +77,9 @@ class Trajectory:
     """float32, the server's log-probability of each model token; 0.0 where the mask is 0."""
     reward: float
     finish_reason: str
-    """``completed``, ``max_turns``, ``max_tokens``, ``context_length``, ``timeout``, ``cancelled``,
-    ``special_token`` (see ``content_special_tokens``) or ``error``."""
+    """``completed``, ``max_turns``, ``max_tokens``, ``context_length`` (the model's outcomes), or
+    ``timeout`` (a stage's deadline), ``eval_timeout`` (the tests' deadline), ``cancelled``,
+    ``special_token`` (see ``content_special_tokens``), ``error``."""
     num_turns: int
     turns: list[TurnRecord] = field(default_factory=list)
     error_code: str | None = None
@@ -83,11 +97,12 @@ class Trajectory:
     agent: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     ended_by: str = "model"
-    """Who ended it: ``model`` (its reward is the model's: train on it), ``client`` (cancelled), or
-    what failed: ``request`` (bad input), ``task`` (a broken task, e.g. its set-up failed),
-    ``agent`` (a bug in the agent), or infrastructure: ``sandbox``, ``inference``, ``daemon``.
-    Anything but ``model`` has no valid reward (0.0 is not a score); the cause is in
-    ``error_code`` / ``error_message``."""
+    """Who ended it: ``model`` (its reward is the model's: train on it), ``client`` (cancelled),
+    ``deadline`` (a run or eval stage ran out of time: ``timeout``, ``eval_timeout``), or what
+    failed: ``request`` (bad input), ``task`` (a broken task, e.g. its set-up failed), ``agent``
+    (a bug in the agent), or infrastructure: ``sandbox``, ``inference``, ``daemon``. Anything but
+    ``model`` has no valid reward (0.0 is not a score) and no trainable token (every adapter masks
+    it: ``adapters.common.trained_mask``); the cause is in ``error_code`` / ``error_message``."""
 
     def __post_init__(self) -> None:
         if self.ended_by not in ENDED_BY:

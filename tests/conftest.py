@@ -32,7 +32,7 @@ def short_tmp() -> Iterator[Path]:
 
 
 def make_backend(kind: str, state_dir: Path) -> SandboxBackend:
-    return ApptainerBackend(state_dir) if kind == "apptainer" else LocalBackend(state_dir)
+    return ApptainerBackend(state_dir, uncontained_root_ok=True) if kind == "apptainer" else LocalBackend(state_dir)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -61,6 +61,32 @@ def no_leaked_instances() -> Iterator[None]:
 
         time.sleep(0.05)
     pytest.fail(f"test leaked Apptainer instances (init PIDs {sorted(leaked)})")
+
+
+@pytest.fixture(autouse=True)
+def every_trajectory_is_valid(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every trajectory a test makes (a daemon's results as the client unpacks them, the
+    pipeline's, the adapters' and the fixtures') goes through ``rolloutd.client.validate`` when it
+    is built (shared-memory views may be refilled later); the test fails naming what broke. A test
+    that builds broken ones on purpose is marked ``invalid_trajectories``."""
+    if request.node.get_closest_marker("invalid_trajectories"):
+        yield
+        return
+    from rolloutd.native_io.trajectory import Trajectory
+    from rolloutd.client.validate import trajectory_problems
+
+    built = Trajectory.__post_init__
+    problems: list[str] = []
+
+    def checked(self: Trajectory) -> None:
+        built(self)
+        problems.extend(f"{self.request_id}/{self.sample_index} ({self.task_id}): {p}"
+                        for p in trajectory_problems(self))
+
+    monkeypatch.setattr(Trajectory, "__post_init__", checked)
+    yield
+    if problems:
+        pytest.fail(f"{len(problems)} invalid trajectories: " + "; ".join(problems[:10]))
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:

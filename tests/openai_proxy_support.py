@@ -17,8 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from agent_support import RecordingContext, agent_context, call, reference_tokenizer
+from agent_support import API_KEY, RecordingContext, agent_context, call, reference_tokenizer
 from rolloutd.client.history_segments import HistorySegment
+from rolloutd.native_io.trajectory import Trajectory
+from rolloutd.native_io.wire import RolloutArgs, TaskRef
+from rolloutd.daemon.inference import ServerPool
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy
+from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxBackend
@@ -47,12 +54,12 @@ TOOLS_PLAN = [
 """Three model turns: one tool call, two parallel calls, a final answer."""
 
 
-def sandbox_sdk_dir() -> Path:
-    """The ``openai`` SDK of this venv's version with its dependencies, installed once for the
-    sandbox's Python into ``.cache/`` of the checkout (binary wheels for that Python, so it works
-    whatever Python runs the tests)."""
-    version = importlib.metadata.version("openai")
-    target = REPO / ".cache" / "sandbox-sdk" / f"openai-{version}-py{SANDBOX_PYTHON}"
+def sandbox_sdk_dir(package: str = "openai") -> Path:
+    """The SDK ``package`` (``openai``, ``anthropic``) of this venv's version with its
+    dependencies, installed once for the sandbox's Python into ``.cache/`` of the checkout (binary
+    wheels for that Python, so it works whatever Python runs the tests)."""
+    version = importlib.metadata.version(package)
+    target = REPO / ".cache" / "sandbox-sdk" / f"{package}-{version}-py{SANDBOX_PYTHON}"
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -63,10 +70,10 @@ def sandbox_sdk_dir() -> Path:
             shutil.rmtree(staging, ignore_errors=True)
             argv = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target",
                     str(staging), "--python-version", SANDBOX_PYTHON, "--implementation", "cp",
-                    "--only-binary=:all:", f"openai=={version}"]
+                    "--only-binary=:all:", f"{package}=={version}"]
             run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
-                raise RuntimeError(f"could not install the openai SDK for the sandbox ({' '.join(argv)}): "
+                raise RuntimeError(f"could not install the {package} SDK for the sandbox ({' '.join(argv)}): "
                                    f"{run.stderr[-2000:]}")
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
@@ -75,22 +82,22 @@ def sandbox_sdk_dir() -> Path:
 
 
 def sandbox_backend(kind: str, state_dir: Path) -> SandboxBackend:
-    return ApptainerBackend(state_dir) if kind == "apptainer" else LocalBackend(state_dir)
+    return ApptainerBackend(state_dir, uncontained_root_ok=True) if kind == "apptainer" else LocalBackend(state_dir)
 
 
-def harness_command(backend: str, *flags: str) -> str:
+def harness_command(backend: str, *flags: str, script: str = "harness.py") -> str:
     folder = HARNESS_INSIDE if backend == "apptainer" else str(HARNESS_DIR)
-    return " ".join(["python3", f"{folder}/harness.py", "--out", OUT, *flags])
+    return " ".join(["python3", f"{folder}/{script}", "--out", OUT, *flags])
 
 
 def harness_env(backend: str) -> dict[str, str]:
     return {"PYTHONPATH": SDK_INSIDE} if backend == "apptainer" else {}
 
 
-def sandbox_binds(backend: str) -> tuple[tuple[str, str, str], ...]:
+def sandbox_binds(backend: str, sdk: str = "openai") -> tuple[tuple[str, str, str], ...]:
     if backend != "apptainer":
         return ()
-    return ((str(sandbox_sdk_dir()), SDK_INSIDE, "ro"), (str(HARNESS_DIR), HARNESS_INSIDE, "ro"))
+    return ((str(sandbox_sdk_dir(sdk)), SDK_INSIDE, "ro"), (str(HARNESS_DIR), HARNESS_INSIDE, "ro"))
 
 
 @contextlib.asynccontextmanager
@@ -110,6 +117,30 @@ async def proxy_context(kind: str, state_dir: Path, instance_id: str, replies: l
     assert ctx.lease.sandbox.stop_rung is not None
     if isinstance(backend, ApptainerBackend):
         assert backend.leftover_instances() == []
+
+
+async def run_blackbox(state_dir: Path, backend: str, task: TaskRef, plans: dict[str, list[str]],
+                       agent_config: dict[str, Any], *, sdk: str = "openai", n: int = 1,
+                       max_tokens: int = 256, binds: tuple[tuple[str, str, str], ...] = ()) -> list[Trajectory]:
+    """``n`` rollouts of ``task`` through a RolloutPipeline with the ``blackbox`` agent on
+    ``agent_config``, in sandboxes of ``backend`` (the SDK ``sdk`` and the test harnesses bound in
+    for Apptainer, and ``binds``), against the reference server following ``plans``."""
+    plans_file = state_dir / "plans.json"
+    plans_file.write_text(json.dumps({"plans": plans}))
+    async with serve_policy(PolicyServerConfig(api_key=API_KEY, scripted=plans_file)) as policy:
+        sandboxes = WarmPool(sandbox_backend(backend, state_dir / "sb"), warm_specs={})
+        await sandboxes.start()
+        inference = await ServerPool.create([policy.url], api_key=API_KEY)
+        pipe = RolloutPipeline(sandboxes=sandboxes, inference=inference, tokenizer=load_tokenizer(),
+                               limits=PipelineLimits(), cache_dir=state_dir / "cache",
+                               binds=sandbox_binds(backend, sdk) + binds)
+        try:
+            args = RolloutArgs(task=task, agent="blackbox", ipython=False, n=n, agent_config=agent_config,
+                               sampling={"max_tokens": max_tokens, "seed": 1})
+            return await pipe.run_request("bb", args)
+        finally:
+            await inference.close()
+            await sandboxes.close()
 
 
 def harness_output(ctx: RecordingContext) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io import framing
 from rolloutd.native_io.wire import MsgType
 
-NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2")
+NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2", "--debug-ops")
 FAST_HEARTBEATS = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0")
 
 

@@ -17,10 +17,13 @@ from rolloutd.client.adapters import (
     length_mask,
     pad_sequences,
     position_ids,
+    message_log_arrays,
     to_nemo_rl_batch,
     to_openrlhf_agent_outputs,
+    to_openrlhf_experience,
     to_skyrl_generator_output,
     to_verl_agent_loop_outputs,
+    to_verl_batch,
     unpad,
 )
 from rolloutd.client.adapters.common import mask_runs, masked_logprobs, model_spans, to_tensor
@@ -175,3 +178,33 @@ def test_an_installed_trainer_that_does_not_import_fails_not_skips() -> None:
         real_module("torch.no_such_module_here")
     with pytest.raises(pytest.skip.Exception):
         real_module("no_such_trainer_package_here")
+def trainable_tokens(trajs: list) -> dict[str, list[int]]:
+    """Per adapter, the tokens of each row its trainer would put a loss on."""
+    verl_batch = to_verl_batch(trajs, tensor_type="numpy", use_trainer_class=False)
+    experience = to_openrlhf_experience(trajs, use_trainer_class=False)
+    nemo = to_nemo_rl_batch(trajs, tensor_type="numpy", use_trainer_class=False)
+    return {
+        "collate": collate(trajs).response_mask.sum(axis=1).tolist(),
+        "verl": [sum(o.response_mask) for o in to_verl_agent_loop_outputs(trajs, use_trainer_class=False)],
+        "verl_batch": np.asarray(verl_batch.batch["response_mask"]).sum(axis=1).tolist(),
+        "skyrl": [sum(m) for m in to_skyrl_generator_output(trajs, use_trainer_class=False)["loss_masks"]],
+        "openrlhf": [sum(e - s for s, e in o["action_ranges"]) for o in to_openrlhf_agent_outputs(trajs)],
+        "openrlhf_experience": np.asarray(experience.action_mask).sum(axis=1).tolist(),
+        # NeMo-RL trains assistant messages with generation log-probabilities, times loss_multiplier.
+        "nemo_rl": [int(m * message_log_arrays(log)["response_mask"].sum())
+                    for m, log in zip(nemo["loss_multiplier"], nemo["message_log"])],
+    }
+
+
+@pytest.mark.parametrize("finish, ended", [("cancelled", "client"), ("timeout", "deadline"),
+                                           ("eval_timeout", "deadline"), ("error", "sandbox"),
+                                           ("error", "inference"), ("error", "daemon"), ("error", "task")])
+def test_infrastructure_outcomes_have_no_trainable_token_in_any_adapter(finish: str, ended: str) -> None:
+    """One rule for every adapter: a trajectory the model did not end keeps its tokens for
+    inspection, but no trainer gets a loss on any of them (issue 27: veRL and OpenRLHF kept the
+    full mask of a cancelled or timed-out sample, NeMo-RL zeroed only errors)."""
+    runs = [(1, [3, 4]), (0, [5]), (1, [6])]
+    good = build("ok", [1, 2], runs, reward=0.0)  # a real 0: trained on
+    stopped = build("stopped", [1, 2], runs, reward=0.0, finish_reason=finish, sample_index=1, ended_by=ended)
+    for adapter, counts in trainable_tokens([good, stopped]).items():
+        assert counts == [3, 0], adapter

@@ -75,7 +75,7 @@ def test_torch_tensors() -> None:
 def test_batch_columns() -> None:
     trajs = trajectories()
     b = to_nemo_rl_batch(trajs, use_trainer_class=False)
-    assert set(b) == {"message_log", "length", "total_reward", "truncated", "loss_multiplier", "idx"}
+    assert set(b) == {"message_log", "length", "total_reward", "truncated", "loss_multiplier", "idx", "straddled_turns"}
     assert b["length"].dtype == np.int64 and b["length"].tolist() == [14, 5, 13, 2]
     assert b["total_reward"].dtype == np.float32 and b["total_reward"].tolist() == [1.0, 0.5, -0.25, 0.0]
     assert b["truncated"].dtype == np.bool_ and b["truncated"].tolist() == [False, False, True, False]

@@ -13,9 +13,10 @@ import importlib.util
 
 import numpy as np
 import pytest
-from adapters_support import real_module, trajectories
+from adapters_support import build, real_module, trajectories
 
 from rolloutd.client.adapters.skyrl import SkyRLTrajectoryID, to_skyrl_generator_output
+from rolloutd.native_io.errors import BadRequest
 
 GENERATOR_OUTPUT_KEYS_A956457 = {
     "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_metrics",
@@ -57,7 +58,7 @@ def test_keys_and_rows() -> None:
         assert type(out["rewards"][i]) is float and out["rewards"][i] == t.reward
         tid = out["trajectory_ids"][i]
         assert (tid.instance_id, tid.repetition_id) == (t.task_id, t.sample_index)
-        assert out["env_metrics"][i] == t.metrics
+        assert out["env_metrics"][i] == {**t.metrics, "weight_versions": t.weight_versions, "straddled_turns": []}
     assert out["trajectory_ids"][1].to_string() == "task-b_1"
     assert {f.name for f in dataclasses.fields(SkyRLTrajectoryID)} == {"instance_id", "repetition_id"}
     # SkyRL zeroes rewards and (with overlong filtering) loss masks unless the reason is "stop"
@@ -117,3 +118,17 @@ def test_real_generator_output_keys() -> None:
     out = to_skyrl_generator_output(trajectories(), use_trainer_class=True)
     assert set(out) == set(mod.GeneratorOutput.__annotations__) - VISION_KEYS
     assert all(isinstance(t, mod.TrajectoryID) for t in out["trajectory_ids"])
+
+
+def test_token_level_reward_of_an_empty_response_is_not_lost() -> None:
+    """An empty response has no token to carry a reward: a valid non-zero reward is refused
+    (a list of no tokens would silently score it 0); a reward of 0 or an invalid one passes."""
+    scored = build("e", [1, 2], [], reward=1.0, finish_reason="context_length")
+    with pytest.raises(BadRequest, match="token_level_rewards=False"):
+        to_skyrl_generator_output([*trajectories(), scored], token_level_rewards=True, use_trainer_class=False)
+    out = to_skyrl_generator_output([*trajectories(), scored], use_trainer_class=False)
+    assert out["rewards"][-1] == 1.0
+    zero = build("z", [1, 2], [], reward=0.0, finish_reason="context_length")
+    out = to_skyrl_generator_output([*trajectories(), zero], token_level_rewards=True, use_trainer_class=False)
+    check_like_skyrl_trainer(out, 5)
+    assert out["rewards"][-1] == [] and sum(map(sum, out["rewards"])) == 1.0 + 0.5 - 0.25

@@ -4,6 +4,7 @@ where it rewrote the history."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -12,11 +13,12 @@ import pytest
 from tokenizers import AddedToken
 from agent_support import call, reference_tokenizer, tool_schemas
 from rolloutd.daemon.agents.content_text import ContentText
-from rolloutd.daemon.agents.tokens import ChatFraming, TokenCodec, TokenLedger, framing_for
+from rolloutd.daemon.agents.codec import TokenCodec
+from rolloutd.daemon.agents.tokens import ChatFraming, TokenLedger, framing_for
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.tokenizer import STRIP_THINK_TEMPLATE_PATH, load_tokenizer
-from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.errors import AgentError, ConfigError
 
 BASE = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Task id: t-1\nFix it."}]
 TOOLS = tool_schemas(ipython=False)
@@ -249,3 +251,44 @@ def test_a_tokenizer_that_joins_across_end_of_turn_encodes_prompts_whole(found_b
     for _ in range(2):  # the second prompt must not use a split the first found inexact
         assert _ledger(tok, base).prompt_ids.tolist() == whole
     assert shape._split_exact is False and not shape._head_ids
+
+
+@pytest.mark.parametrize("shape", [(1,), (0,), ("short",), ("long",)])
+def test_a_turn_whose_logprobs_do_not_match_its_tokens_is_refused(shape: tuple[object]) -> None:
+    """A log-probability array of another length would be broadcast (one value over every token)
+    or cut: the ledger refuses it and keeps nothing of the turn."""
+    ledger = ledger_for()
+    good = model_turn(ledger, "hello there")
+    n = len(good.token_ids)
+    lengths = {(1,): 1, (0,): 0, ("short",): n - 1, ("long",): n + 1}
+    bad = dataclasses.replace(good, logprobs=np.resize(good.logprobs, lengths[shape]).astype(np.float32))
+    before = len(ledger.ids)
+    with pytest.raises(AgentError, match="log-probabilities of shape"):
+        ledger.add_turn(bad)
+    assert len(ledger.ids) == before and ledger.turns == []
+    ledger.add_turn(good)
+    assert ledger.outcome(finish_reason="completed").response_logprobs.tolist() == good.logprobs.tolist()
+
+
+def test_a_turns_versions_reach_its_record_and_survive_the_wire() -> None:
+    """What the pool learnt of a turn's weights (sent under, per-token spans, straddled) is on its
+    TurnRecord, and still there after the trajectory crossed the wire."""
+    from rolloutd.native_io.trajectory import Trajectory
+    from rolloutd.daemon.inference.base import VersionSpan
+
+    ledger = ledger_for()
+    turn = model_turn(ledger, "hello there")
+    n = len(turn.token_ids)
+    turn = dataclasses.replace(turn, weight_version="v2", sent_version="v1", straddled=True,
+                               weight_spans=(VersionSpan("v1", 0, 2), VersionSpan("v2", 2, n)))
+    ledger.add_turn(turn)
+    out = ledger.outcome(finish_reason="completed")
+    (record,) = out.turns
+    assert (record.weight_version, record.sent_version, record.straddled) == ("v2", "v1", True)
+    assert record.weight_spans == [("v1", 0, 2), ("v2", 2, n)]
+    t = Trajectory(request_id="r", sample_index=0, task_id="t", prompt_ids=out.prompt_ids,
+                   response_ids=out.response_ids, response_mask=out.response_mask,
+                   response_logprobs=out.response_logprobs, reward=1.0, finish_reason="completed",
+                   num_turns=1, turns=out.turns)
+    back = Trajectory.from_parts(json.loads(json.dumps(t.scalar_fields())), t.arrays())
+    assert back.turns == t.turns

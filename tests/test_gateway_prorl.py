@@ -412,7 +412,7 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
 @pytest.mark.parametrize(("finish", "ended_by", "last_stage", "critical", "success"), [
     ("completed", "model", "eval", None, True),
     ("max_turns", "model", "eval", None, False),
-    ("timeout", "model", "run", "timeout", False),
+    ("timeout", "deadline", "run", "timeout", False),
     ("timeout", "sandbox", "init", "timeout", False),
     ("cancelled", "client", "run", "timeout", False),
     ("error", "sandbox", "run", "run", False),

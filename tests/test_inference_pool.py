@@ -299,3 +299,31 @@ def test_max_attempts_bounds_the_retries() -> None:
         assert healthy == [False, False, True]
         assert any("max_attempts=2" in note for note in info.value.__notes__)
     run(scenario())
+
+
+def test_turns_carry_the_versions_they_were_generated_under() -> None:
+    """A turn sent under one version and finished after a weight update: the vLLM route reports
+    per-token spans (some tokens of each version: straddled); the completions route reports none,
+    so the turn is labelled with the version it was sent under (not the one current when it came
+    back) and marked straddled. A turn sent after the update holds one version."""
+    async def scenario() -> None:
+        async with policy_server(ms_per_token=5) as g, policy_server(ms_per_token=5) as c:
+            async with await ServerPool.create(["vllm-generate+" + g.url, "vllm-completions+" + c.url],
+                                               api_key=API_KEY) as pool:
+                await pool.set_weight_version("v1")
+                running = [asyncio.create_task(pool.generate(PROMPT, LONG, trajectory_id=t, timeout_s=30))
+                           for t in ("tg", "tc")]
+                await wait_until(lambda: g.engine.steps > 3 and c.engine.steps > 3, what="both calls generating")
+                await pool.pause_all()
+                await pool.set_weight_version("v2")
+                await pool.resume_all()
+                across = await asyncio.gather(*running)
+                after = await pool.generate(PROMPT, SamplingParams(max_tokens=3), trajectory_id="tc", timeout_s=30)
+        spans, flat = across
+        assert spans.server == g.url and flat.server == c.url
+        versions = [s.version for s in spans.weight_spans]
+        assert versions == ["v1", "v2"] and spans.weight_spans[0].end > 0 and spans.weight_spans[-1].end == 40
+        assert (spans.weight_version, spans.sent_version, spans.straddled) == ("v2", "v1", True)
+        assert (flat.weight_spans, flat.weight_version, flat.sent_version, flat.straddled) == ((), "v1", "v1", True)
+        assert (after.weight_version, after.sent_version, after.straddled) == ("v2", "v2", False)
+    run(scenario())

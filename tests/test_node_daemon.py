@@ -28,6 +28,7 @@ from rolloutd.native_io.errors import (
     CommandTimeout,
     DaemonLost,
     DaemonUnavailable,
+    PermissionDenied,
     SandboxLimit,
     SandboxLost,
     WorkerLost,
@@ -116,10 +117,19 @@ async def test_worker_killed_with_requests_in_flight(short_tmp: Path) -> None:
                     await sb.run("echo gone")
 
 
+def test_debug_operations_are_refused_unless_the_node_turns_them_on(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+        with RolloutClient(address) as client:
+            for op, args in (("debug.sleep", {"seconds": 0}), ("debug.make_arrays", {"n_tokens": 10})):
+                with pytest.raises(PermissionDenied, match=r"debug operation.*--debug-ops.*debug_ops = true"):
+                    client.request(op, args)
+            assert len(client.status()["workers"]) == 1  # the daemon keeps serving
+
+
 def test_stop_leaves_nothing_even_when_killed(short_tmp: Path) -> None:
     """A daemon that cannot shut down by itself (frozen, so SIGTERM waits) is SIGKILLed by the
     stop ladder, and still leaves no process, sandbox, segment or socket."""
-    (address,) = start_nodes([short_tmp], "--backend", "local", "--workers", "2", "--warm", "1")
+    (address,) = start_nodes([short_tmp], "--backend", "local", "--workers", "2", "--warm", "1", "--debug-ops")
     pid = int((short_tmp / "node.pid").read_text())
     with RolloutClient(address) as client:
         sb = client.open_sandbox(ipython=True)

@@ -115,7 +115,12 @@ async def test_timeout_at_each_stage_frees_the_sandbox(short_tmp: Path, stage: s
     limits = {f"{stage}_timeout_s": 0.5}
     async with pipeline(short_tmp, PipelineLimits()) as pipe:
         (t,) = await asyncio.wait_for(pipe.run_request("r", command_args("t", **kwargs, **limits)), 20)
-        assert t.finish_reason == "timeout" and t.reward == 0.0, (t.finish_reason, t.error_message)
+        # Past the deadline in init the sandbox failed (refilled); in run or eval the deadline ended
+        # it: no score, nothing to train on (issue 27: an eval time-out was scored 0.0).
+        expected = {"init": ("timeout", "sandbox"), "run": ("timeout", "deadline"),
+                    "eval": ("eval_timeout", "deadline")}[stage]
+        assert (t.finish_reason, t.ended_by) == expected, (t.finish_reason, t.error_message)
+        assert t.reward == 0.0 and not t.reward_valid
         assert t.stage_s[stage] < 5
         await async_wait_until(lambda: pipe.sandboxes.stats()["leased"] == 0, RELEASE_TIMEOUT_S,
                                "the timed-out sample's sandbox released")

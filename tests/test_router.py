@@ -162,6 +162,22 @@ def test_repeated_ids_get_one_answer_and_same_instance_one_node(fed3: Federation
         trainer.close()
 
 
+def test_two_trainers_asking_one_id_in_flight_both_get_the_answer(fed3: Federation) -> None:
+    """The router joins a second asker of a running id instead of moving the answer to it (issue
+    27: the first asker never heard back)."""
+    first, second = RawTrainer(fed3.address), RawTrainer(fed3.address)
+    try:
+        first.send("both-1", "debug.sleep", {"seconds": 1.0})
+        first.collect([], timeout_s=5, linger_s=0.2)  # its request reached the router first
+        second.send("both-1", "debug.sleep", {"seconds": 1.0})
+        for trainer in (first, second):
+            got = trainer.collect(["both-1"], timeout_s=15, linger_s=0.3)["both-1"]
+            assert [kind for kind, _, _ in got] == [REPLY], got
+    finally:
+        first.close()
+        second.close()
+
+
 def _located(fed: Federation, iid: str, commands: list[str]) -> RolloutRequest:
     """A real rollout (script agent, inline command task) whose reward is the index of the node
     whose sandbox folder it ran in."""
@@ -346,7 +362,7 @@ def test_tcp_needs_listed_keys_and_refuses_and_logs_the_rest(short_tmp: Path, mo
     pid = start_router(router_dir, *router_args)
     good, rogue = short_tmp / "n0", short_tmp / "n1"
     try:
-        common = ("--backend", "local", "--workers", "1", "--warm", "0", "--router", f"tcp://127.0.0.1:{node_port}",
+        common = ("--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops", "--router", f"tcp://127.0.0.1:{node_port}",
                   "--router-public-key-file", str(router_pub))
         start_nodes([good], *common, "--curve-secret-key-file", str(node_sec))
         start_nodes([rogue], *common, "--curve-secret-key-file", str(rogue_sec))

@@ -127,7 +127,7 @@ def test_three_hosts_one_cut_off_mid_batch_then_back(lan: Lan, short_tmp: Path) 
 
         def start(i: int) -> None:
             start_nodes([node_dirs[i]], "--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2",
-                        "--node-name", f"host{i}", "--router", f"tcp://{ROUTER_IP}:7001",
+                        "--debug-ops", "--node-name", f"host{i}", "--router", f"tcp://{ROUTER_IP}:7001",
                         "--curve-secret-key-file", str(keys / f"host{i}.key_secret"),
                         "--router-public-key-file", str(keys / "router.key"), prefixes=[_exec_in(lan.node_ns[i])])
 

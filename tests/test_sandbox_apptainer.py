@@ -12,6 +12,7 @@ from proc_support import identities, still_running
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.native_io.errors import ConfigError
 
 pytestmark = pytest.mark.apptainer
 
@@ -22,7 +23,7 @@ def _instance_list(backend: ApptainerBackend) -> str:
 
 
 async def test_lifecycle_and_clean_stop(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     sb = backend.create(SandboxSpec(ipython=False))
     await sb.start()
     assert sb.instance_name in _instance_list(backend)
@@ -36,7 +37,7 @@ async def test_lifecycle_and_clean_stop(short_tmp: Path) -> None:
 
 
 async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     lease = await open_lease(backend.create(SandboxSpec(ipython=True)), start_kernel=True)
     await lease.run("sleep 300 & (setsid sleep 301 &) ; nohup sleep 302 >/dev/null 2>&1 &")
     seen = identities(lease.sandbox.process_ids())
@@ -48,7 +49,7 @@ async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:
 
 
 async def test_leases_cannot_see_each_other(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     a = await open_lease(backend.create(SandboxSpec(ipython=False)))
     b = await open_lease(backend.create(SandboxSpec(ipython=False)))
     try:
@@ -62,7 +63,7 @@ async def test_leases_cannot_see_each_other(short_tmp: Path) -> None:
 
 
 async def test_host_is_not_visible_or_writable(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     marker = short_tmp / "host-marker"
     marker.write_text("host")
     lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
@@ -77,7 +78,7 @@ async def test_host_is_not_visible_or_writable(short_tmp: Path) -> None:
 
 
 async def test_network_none_has_only_loopback(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     lease = await open_lease(backend.create(SandboxSpec(ipython=False, network=False)))
     try:
         r = await lease.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
@@ -88,7 +89,7 @@ async def test_network_none_has_only_loopback(short_tmp: Path) -> None:
 
 @pytest.mark.parametrize("writable", ["tmpfs", "overlay"])
 async def test_writable_layer(short_tmp: Path, writable: str) -> None:
-    backend = ApptainerBackend(short_tmp)
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
     lease = await open_lease(backend.create(SandboxSpec(ipython=False, writable=writable)))  # type: ignore[arg-type]
     try:
         r = await lease.run("mkdir -p ~/w && echo ok > ~/w/f && cat ~/w/f && echo data > /tmp/x && cat /tmp/x")
@@ -98,11 +99,21 @@ async def test_writable_layer(short_tmp: Path, writable: str) -> None:
 
 
 async def test_memory_hog_fails_alone(short_tmp: Path) -> None:
-    backend = ApptainerBackend(short_tmp)
-    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(max_memory_mb=256))))
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(process_memory_mb=256))))
     try:
         r = await lease.run("python3 -c 'x = bytearray(1 << 30)' 2>&1 | tail -1")
         assert "MemoryError" in r.output
         assert (await lease.run("echo still-here")).output == "still-here\n"
     finally:
         await lease.destroy()
+
+
+def test_root_is_refused_without_the_opt_in(short_tmp: Path) -> None:
+    # Under root, container root is host root even with --userns: a library caller gets an error
+    # naming the ways out, not sandboxes that look contained and are not.
+    if os.getuid() != 0:
+        pytest.skip("the refusal is root's; an ordinary user's sandboxes are contained")
+    with pytest.raises(ConfigError, match=r"not contained.*ordinary user.*rolloutd node start.*uncontained_root_ok"):
+        ApptainerBackend(short_tmp)
+    assert list(short_tmp.iterdir()) == []  # refused before it made anything

@@ -19,7 +19,7 @@ SHM = Path("/dev/shm")
 
 
 def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops") as address:
         with RolloutClient(address) as client:
             reply = client.request("debug.make_arrays", {"n_tokens": 300_000, "n_trajectories": 3})
             ids = reply.arrays["response_ids"]
@@ -43,7 +43,7 @@ def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
 
 
 def test_frames_transport_gives_the_same_arrays(short_tmp: Path) -> None:
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0") as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops") as address:
         with RolloutClient(address, arrays="frames") as frames, RolloutClient(address) as shared:
             a = frames.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
             b = shared.request("debug.make_arrays", {"n_tokens": 5000, "n_trajectories": 2})
@@ -65,7 +65,7 @@ time.sleep(60)
 
 def test_segments_of_a_killed_client_are_reclaimed(short_tmp: Path) -> None:
     env = {"ROLLOUTD_SHM_LEASE_TIMEOUT_S": "1"}
-    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", env=env) as address:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops", env=env) as address:
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_THAT_DIES, address], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         segment = proc.stdout.readline().strip()
@@ -125,5 +125,33 @@ def test_reader_keeps_a_refilled_segment_mapped_and_remaps_a_replaced_one() -> N
         replaced = maps.map(refs)["x"]
         assert replaced.base is not first.base and int(replaced.sum()) == 70
         assert int(first.sum()) == sum(range(10, 20)), "arrays from the old mapping changed under the caller"
+    finally:
+        arena.close()
+
+
+def test_a_kept_answer_holds_its_arrays_not_the_segment_they_were_in() -> None:
+    """What the supervisor keeps for a repeated id: the arrays copied into frames, so a segment
+    refilled by a later reply does not change it; too large or gone, nothing is kept."""
+    from rolloutd.native_io import framing
+
+    arena = shm.SegmentArena(f"rld-test-{os.getpid()}-keep-")
+    try:
+        ids = np.arange(100, dtype=np.int32)
+        refs = arena.write({"ids": ids, "mask": np.ones(100, dtype=np.uint8)})
+        reply = framing.encode(3, {"id": "r", "result": {"n": 1}, "refs": [r.to_wire() for r in refs]})
+        kept = shm.self_contained(reply, max_bytes=1 << 20)
+        assert kept is not None and shm.self_contained(reply, max_bytes=200) is None
+        name = refs[0].segment
+        assert name is not None
+        arena.free([name])
+        again = arena.write({"ids": np.full(100, 9, dtype=np.int32), "mask": np.zeros(100, dtype=np.uint8)})
+        assert again[0].segment == name, "the arena did not reuse the released segment"
+        msg_type, header, buffers = framing.decode(kept, max_bytes=1 << 30, known_types=frozenset({3}))
+        wire = [framing.ArrayRef.from_wire(r) for r in header["refs"]]
+        assert msg_type == 3 and header["result"] == {"n": 1} and all(r.segment is None for r in wire)
+        arrays = framing.arrays_from_frames(wire, buffers)
+        assert arrays["ids"].tolist() == ids.tolist() and arrays["mask"].tolist() == [1] * 100
+        shm.unlink(name)
+        assert shm.self_contained(reply, max_bytes=None) is None  # its segment is gone
     finally:
         arena.close()

@@ -51,7 +51,7 @@ async def test_template_is_prepared_once_per_task(lease: Lease, short_tmp: Path)
     task = resolve_task("bundled", "wordwrap-001", None)
     swe = get_task_type("swe")
     await swe.setup(task, lease, cache_dir=short_tmp / "cache")
-    template = short_tmp / "cache" / "swe" / "wordwrap-001" / "repo"
+    (template,) = (short_tmp / "cache" / "swe").glob("wordwrap-001-*/repo")
     stamp = template.stat().st_mtime_ns
     await swe.setup(task, lease, cache_dir=short_tmp / "cache")
     assert template.stat().st_mtime_ns == stamp
@@ -102,3 +102,115 @@ async def test_swe_task_from_files_with_test_patch(lease: Lease, short_tmp: Path
     await lease.run("git checkout -q -- . && git clean -fdq && sed -i 's/x + 1/x * 2/' calc.py")
     assert (await swe.evaluate(task, lease, workdir, timeout_s=60)).reward == 1.0
     shutil.rmtree(short_tmp / "swe", ignore_errors=True)
+
+
+def test_a_dataset_with_a_repeated_instance_id_is_an_error(tmp_path: Path) -> None:
+    """Two records with one id: which one a request meant cannot be known, so neither is used
+    (it was the last one, silently); a file edited in place is read again."""
+    def record(value: int) -> str:
+        return json.dumps({"instance_id": "dup-1", "problem_statement": "p", "files": {"m.py": f"X = {value}\n"},
+                           "FAIL_TO_PASS": ["tests/test_m.py::test_x"]}) + "\n"
+
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(record(1) + record(2))
+    with pytest.raises(TaskError, match=r"tasks.jsonl:2: instance_id 'dup-1' is already the record of line 1"):
+        resolve_task(str(data), "dup-1", None)
+    data.write_text(record(3))
+    assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 3\n"}
+    data.write_text(record(4) + "\n")
+    assert resolve_task(str(data), "dup-1", None).record["files"] == {"m.py": "X = 4\n"}
+
+
+async def test_an_eval_that_times_out_is_no_score(lease: Lease, short_tmp: Path) -> None:
+    """Tests that outlive the eval deadline raise a time-out (the sample ends ``eval_timeout``,
+    untrained) instead of scoring 0.0 as if the model had failed them."""
+    cmd = get_task_type("command")
+    task = resolve_task("", "", {"type": "command", "instance_id": "slow-eval", "eval_script": "sleep 30; echo 1"})
+    with pytest.raises(TimeoutError):
+        await cmd.evaluate(task, lease, await cmd.setup(task, lease, cache_dir=short_tmp), timeout_s=0.5)
+    record = {"instance_id": "slow-swe", "problem_statement": "p", "files": {"tests/__init__.py": "",
+              "tests/test_slow.py": "import time\n\ndef test_slow():\n    time.sleep(30)\n"},
+              "FAIL_TO_PASS": ["tests/test_slow.py::test_slow"]}
+    swe, task = get_task_type("swe"), resolve_task("", "", record)
+    with pytest.raises(TimeoutError):
+        await swe.evaluate(task, lease, await swe.setup(task, lease, cache_dir=short_tmp), timeout_s=1.0)
+
+
+TRICKY_TESTS = '''import pytest
+
+
+@pytest.mark.parametrize("expr", ["1 + 1", "[x]", "\\u00e9", "a::b", "\\u4e2d \\u6587"])
+def test_eval(expr):
+    assert expr
+
+
+class TestOuter:
+    class TestInner:
+        def test_deep(self):
+            assert True
+
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown")
+
+
+def test_passes_then_breaks_teardown(broken_teardown):
+    assert True
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_odd(n):
+    assert n % 2 == 1
+'''
+
+
+@pytest.mark.parametrize("ids, reward", [
+    (["tests/test_ids.py::test_eval[1 + 1]", "tests/test_ids.py::test_eval[[x]]",
+      "tests/test_ids.py::test_eval[a::b]", "tests/test_ids.py::TestOuter::TestInner::test_deep",
+      "tests/test_ids.py::test_eval[\u00e9]", "tests/test_ids.py::test_eval[\\xe9]",
+      "tests/test_ids.py::test_eval[\u4e2d \u6587]", "tests/test_ids.py::test_odd[1]"], 1.0),
+    (["tests/test_ids.py::test_eval[1 + 1]", "tests/test_ids.py::test_odd[2]"], 0.0),
+    (["tests/test_ids.py::test_passes_then_breaks_teardown"], 0.0),
+    (["tests/test_ids.py::test_eval[1 +]"], 0.0),  # no such test: not a pass
+])
+async def test_swe_grading_reads_the_report_not_the_summary(lease: Lease, short_tmp: Path, ids: list[str],
+                                                              reward: float) -> None:
+    """Node ids with spaces, brackets, unicode and nested ``::`` are graded by what pytest ran
+    (issue 27: the summary regex cut ``test_eval[1 + 1]`` at the space and scored 0.0)."""
+    record = {"instance_id": "ids-1", "problem_statement": "p", "FAIL_TO_PASS": ids,
+              "files": {"tests/__init__.py": "", "tests/test_ids.py": TRICKY_TESTS}}
+    swe, task = get_task_type("swe"), resolve_task("", "", record)
+    result = await swe.evaluate(task, lease, await swe.setup(task, lease, cache_dir=short_tmp), timeout_s=120)
+    assert result.reward == reward, result.details
+    if reward == 1.0:
+        assert result.details["failed_fail_to_pass"] == []
+
+
+async def test_two_records_with_one_id_never_share_a_cached_repository(lease: Lease, short_tmp: Path) -> None:
+    """The template cache is keyed by content: a second record with the same instance id (another
+    dataset, an edited task) gets its own files, not the first one's (issue 27); the same
+    content is prepared once; an edited repo_dir is a new template."""
+    swe = get_task_type("swe")
+    cache = short_tmp / "cache"
+
+    def record(**source: object) -> dict[str, object]:
+        return {"instance_id": "same-id", "problem_statement": "p", "FAIL_TO_PASS": ["tests/test_m.py::test_x"],
+                **source}
+
+    async def seen(rec: dict[str, object]) -> str:
+        task = resolve_task("", "", rec)
+        workdir = await swe.setup(task, lease, cache_dir=cache)
+        return (await lease.run(f"cat {workdir}/m.py")).output.strip()
+
+    assert await seen(record(files={"m.py": "X = 1\n"})) == "X = 1"
+    assert await seen(record(files={"m.py": "X = 2\n"})) == "X = 2"
+    assert await seen(record(files={"m.py": "X = 1\n"})) == "X = 1"
+    repo = short_tmp / "host-repo"
+    repo.mkdir()
+    (repo / "m.py").write_text("X = 3\n")
+    assert await seen(record(repo_dir=str(repo))) == "X = 3"
+    (repo / "m.py").write_text("X = 4\n")
+    assert await seen(record(repo_dir=str(repo))) == "X = 4"
+    assert len(list((cache / "swe").glob("same-id-*/repo"))) == 4

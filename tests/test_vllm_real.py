@@ -486,3 +486,36 @@ def test_slow_health_keeps_the_server_and_a_restart_under_a_turn_is_survived(ser
 def test_server_is_in_its_own_session(server: VLLMServer) -> None:
     """The launcher's stop reaches vLLM's engine-core child: it runs in the server's group."""
     assert server.process is not None and os.getpgid(server.process.pid) == server.process.pid
+
+
+
+def test_a_turn_across_a_version_change_carries_both_versions(server: VLLMServer, short_tmp: Path) -> None:
+    """pause(keep), a new version label, resume, under a running turn: vLLM's per-token spans hold
+    both versions, the turn says straddled, and so does the trajectory's TurnRecord (issue 27)."""
+    from rolloutd.daemon.agents.tokens import TokenLedger
+
+    async def scenario() -> None:
+        async with await ServerPool.create(["vllm+" + server.url], health_interval_s=0) as pool:
+            await pool.set_weight_version("before")
+            call = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=3000, ignore_eos=True),
+                                                     trajectory_id="x", timeout_s=300))
+            # Decoding is under way once a probe sent after it has been answered: the engine
+            # admits in order and decodes both in one batch (its metrics are off: --disable-log-stats).
+            await asyncio.sleep(0)  # one pass of the loop: the call's task sends first
+            probe = await pool.generate(PROMPT, SamplingParams(max_tokens=16, ignore_eos=True), trajectory_id="probe",
+                                        timeout_s=120)
+            assert not call.done() and len(probe.token_ids) == 16
+            await pool.pause_all("keep")
+            await pool.set_weight_version("after")
+            await pool.resume_all()
+            result = await asyncio.wait_for(call, 240)
+            await pool.set_weight_version("default")
+        versions = [s.version for s in result.weight_spans]
+        assert versions == ["before", "after"], result.weight_spans
+        assert (result.weight_version, result.sent_version, result.straddled) == ("after", "before", True)
+        ledger = TokenLedger(reference_tokenizer(), [{"role": "user", "content": "hi"}], [], max_total_tokens=WINDOW)
+        ledger.add_turn(result)
+        (turn,) = ledger.turns
+        assert turn.straddled and [v for v, _, _ in turn.weight_spans] == ["before", "after"]
+        assert turn.weight_spans[-1][2] == len(result.token_ids) == 3000
+    run(scenario(), timeout_s=600)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rolloutd.client.adapters.common import TensorType, as_trajectory_list, masked_logprobs, tensors
+from rolloutd.client.adapters.common import TensorType, as_trajectory_list, masked_logprobs, tensors, trained_mask
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.trajectory import Trajectory
 
@@ -144,7 +144,7 @@ def collate(
         resp_seqs, side="right", length=response_length, pad_value=pad_token_id, length_name="response_length"
     )
     width = responses.shape[1]
-    response_mask = pad_sequences([t.response_mask for t in trajs], side="right", length=width)
+    response_mask = pad_sequences([trained_mask(t) for t in trajs], side="right", length=width)
     logprobs = pad_sequences(
         [masked_logprobs(t) for t in trajs], side="right", length=width, pad_value=0.0, dtype=np.float32
     )

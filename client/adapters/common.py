@@ -71,11 +71,21 @@ def mask_runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def trained_mask(trajectory: Trajectory) -> np.ndarray:
-    """The loss mask a trainer should use: the response mask, or all zeros for a trajectory the
-    model did not end (``reward_valid`` False), so an infrastructure failure never trains as a
-    reward of 0. Drop such samples before grouping (``RolloutResult.trainable``) where you can."""
+    """The loss mask every adapter uses (the one rule): the response mask, or all zeros for a
+    trajectory the model did not end (``reward_valid`` False: cancelled, ``timeout``,
+    ``eval_timeout``, an infrastructure or task error), so such an outcome never trains, neither
+    as a reward of 0 nor through its tokens. Drop such samples before grouping
+    (``RolloutResult.trainable``) where you can."""
     mask = np.asarray(trajectory.response_mask)
     return mask if trajectory.reward_valid else np.zeros_like(mask)
+
+
+def turn_versions(trajectory: Trajectory) -> dict[str, list[Any]]:
+    """What every adapter reports of the weights behind a trajectory: ``weight_versions`` (one
+    per model turn) and ``straddled_turns`` (indices of turns whose tokens may come from more than
+    one version, ``TurnRecord.straddled``), so a trainer can drop or reweight them."""
+    return {"weight_versions": [t.weight_version for t in trajectory.turns],
+            "straddled_turns": [i for i, t in enumerate(trajectory.turns) if t.straddled]}
 
 
 def model_spans(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -83,14 +93,15 @@ def model_spans(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(s, e) for s, e, v in mask_runs(mask) if v]
 
 
-def masked_logprobs(trajectory: Trajectory) -> np.ndarray:
-    """float32 response log-probabilities with exactly 0.0 wherever the mask is 0.
+def masked_logprobs(trajectory: Trajectory, mask: np.ndarray | None = None) -> np.ndarray:
+    """float32 response log-probabilities with exactly 0.0 wherever ``mask`` (default
+    :func:`trained_mask`) is 0.
 
     Trainers read a logprob on an observation token as if the model had sampled it, so the
     convention is enforced here rather than trusted.
     """
     lp = np.asarray(trajectory.response_logprobs, dtype=np.float32)
-    return np.where(np.asarray(trajectory.response_mask) != 0, lp, np.float32(0.0))
+    return np.where((trained_mask(trajectory) if mask is None else mask) != 0, lp, np.float32(0.0))
 
 
 def hit_token_limit(trajectory: Trajectory) -> bool:

@@ -30,7 +30,9 @@ from rolloutd.client.adapters.common import (
     mask_runs,
     masked_logprobs,
     to_tensor,
+    trained_mask,
     trainer_module,
+    turn_versions,
 )
 from rolloutd.native_io.errors import BadRequest
 from rolloutd.native_io.trajectory import Trajectory
@@ -46,6 +48,7 @@ def trajectory_message_log(
     tensor_type: TensorType = "numpy",
     prompt_role: str = "user",
     observation_role: str = "user",
+    as_generated: bool = False,
 ) -> list[dict[str, Any]]:
     """One trajectory as a NeMo-RL message log.
 
@@ -53,14 +56,18 @@ def trajectory_message_log(
     ``content`` is the decoded text when a tokenizer is given, else empty (NeMo-RL trains on the
     ids; NeMo-Gym leaves it empty too). ``observation_role`` defaults to ``user``, the role
     NeMo-Gym gives every non-trained message; pass ``tool`` if the trainer's code looks for it.
+    ``as_generated`` keeps the model's turns as assistant messages even when the model did not end
+    the trajectory, for a reader that drops such a sample by its own flag (the gateway's
+    ``filter``); by default they become observations, so they never train (:func:`trained_mask`).
     """
     ids = np.asarray(trajectory.response_ids, dtype=np.int64)
-    logprobs = masked_logprobs(trajectory)
+    mask = np.asarray(trajectory.response_mask) if as_generated else trained_mask(trajectory)
+    logprobs = masked_logprobs(trajectory, mask)
     prompt = np.asarray(trajectory.prompt_ids, dtype=np.int64)
     log: list[dict[str, Any]] = [
         {"role": prompt_role, "content": decode(tokenizer, prompt), "token_ids": to_tensor(prompt, tensor_type)}
     ]
-    for start, end, is_model in mask_runs(trajectory.response_mask):
+    for start, end, is_model in mask_runs(mask):
         run = ids[start:end].copy()
         message: dict[str, Any] = {
             "role": "assistant" if is_model else observation_role,
@@ -104,8 +111,10 @@ def to_nemo_rl_batch(
 
     Keys: ``message_log``; ``length`` (int64, prompt + response tokens); ``total_reward``
     (float32); ``truncated`` (bool: the token budget ran out); ``loss_multiplier`` (float32, 0.0
-    for trajectories the model did not end, ``reward_valid`` False: their reward is no score); ``idx`` (int64 position in this batch). ``tensor_type`` defaults to torch when
-    NeMo-RL imports (its batches hold torch tensors), else numpy.
+    for trajectories the model did not end, ``reward_valid`` False: their reward is no score, and
+    their model tokens are plain observation messages, so nothing of them trains); ``idx`` (int64
+    position in this batch); ``straddled_turns`` (int64, turns that may mix weight versions).
+    ``tensor_type`` defaults to torch when NeMo-RL imports (its batches hold torch tensors), else numpy.
     """
     mod = trainer_module(BATCH_MODULE, package=PACKAGE, use_trainer_class=use_trainer_class)
     kind: TensorType = tensor_type or ("torch" if mod is not None else "numpy")
@@ -116,6 +125,7 @@ def to_nemo_rl_batch(
         "total_reward": np.array([t.reward for t in trajs], dtype=np.float32),
         "truncated": np.array([hit_token_limit(t) for t in trajs], dtype=np.bool_),
         "idx": np.arange(len(trajs), dtype=np.int64),
+        "straddled_turns": np.array([len(turn_versions(t)["straddled_turns"]) for t in trajs], dtype=np.int64),
     }
     data: dict[str, Any] = {
         "message_log": to_nemo_rl_message_logs(

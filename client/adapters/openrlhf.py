@@ -33,7 +33,9 @@ from rolloutd.client.adapters.common import (
     model_spans,
     tensors,
     to_tensor,
+    trained_mask,
     trainer_module,
+    turn_versions,
 )
 from rolloutd.native_io.errors import BadRequest, ConfigError
 from rolloutd.native_io.trajectory import Trajectory
@@ -80,7 +82,7 @@ def _texts(given: Sequence[str] | None, default: list[str], name: str) -> list[s
 def action_ranges(trajectory: Trajectory) -> list[tuple[int, int]]:
     """The model-token runs as ``(start, end)`` positions in prompt + response tokens."""
     offset = len(trajectory.prompt_ids)
-    return [(offset + s, offset + e) for s, e in model_spans(trajectory.response_mask)]
+    return [(offset + s, offset + e) for s, e in model_spans(trained_mask(trajectory))]
 
 
 def observation_tokens(trajectory: Trajectory) -> np.ndarray:
@@ -129,7 +131,8 @@ def to_openrlhf_agent_outputs(
             "action_ranges": action_ranges(t),
             "rollout_log_probs": observation_log_probs(t).tolist(),
             "truncated": hit_token_limit(t),
-            "extra_logs": {"reward_valid": float(t.reward_valid)},
+            "extra_logs": {"reward_valid": float(t.reward_valid),
+                           "straddled_turns": float(len(turn_versions(t)["straddled_turns"]))},
         }
         for t, prompt, label in zip(trajs, prompt_texts, label_texts)
     ]
@@ -172,7 +175,7 @@ def to_openrlhf_experience(
         [observation_tokens(t) for t in trajs], side="right", length=width, pad_value=pad_token_id
     )
     full_mask = pad_sequences(
-        [np.concatenate([np.zeros(len(t.prompt_ids), np.int64), np.asarray(t.response_mask, np.int64)]) for t in trajs],
+        [np.concatenate([np.zeros(len(t.prompt_ids), np.int64), trained_mask(t).astype(np.int64)]) for t in trajs],
         side="right", length=width,
     )
     full_logprobs = pad_sequences(

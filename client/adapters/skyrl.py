@@ -25,7 +25,9 @@ from rolloutd.client.adapters.common import (
     stage_times,
     trained_mask,
     trainer_module,
+    turn_versions,
 )
+from rolloutd.native_io.errors import BadRequest
 from rolloutd.native_io.trajectory import Trajectory
 
 GENERATOR_MODULE = "skyrl.train.generators.base"
@@ -90,10 +92,16 @@ def _rollout_metrics(responses: list[list[int]], loss_masks: list[list[int]], re
     return metrics
 
 
-def _token_rewards(reward: float, n: int) -> list[float]:
+def _token_rewards(t: Trajectory) -> list[float]:
+    """The reward on the last response token; an empty response has no token to carry a reward,
+    so one that is not zero is refused rather than silently scored 0."""
+    n = len(t.response_ids)
+    if n == 0 and t.reward != 0.0:
+        raise BadRequest(f"trajectory {t.request_id}/{t.sample_index} has no response tokens to carry its reward "
+                         f"{t.reward}: pass token_level_rewards=False (a reward per row), or drop it")
     out = [0.0] * n
     if n:
-        out[-1] = float(reward)
+        out[-1] = float(t.reward)
     return out
 
 
@@ -124,7 +132,7 @@ def to_skyrl_generator_output(
     values: dict[str, Any] = {
         "prompt_token_ids": [np.asarray(t.prompt_ids).tolist() for t in trajs],
         "response_ids": responses,
-        "rewards": [_token_rewards(r, len(ids)) for r, ids in zip(rewards, responses)] if token_level_rewards else rewards,
+        "rewards": [_token_rewards(t) for t in trajs] if token_level_rewards else rewards,
         "loss_masks": loss_masks,
         "stop_reasons": [stop_reasons.get(t.finish_reason, t.finish_reason) for t in trajs],
         "rollout_metrics": _rollout_metrics(responses, loss_masks, rewards),
@@ -136,7 +144,7 @@ def to_skyrl_generator_output(
         ),
         "rollout_expert_indices": None,
         "is_last_step": None,
-        "env_metrics": [dict(t.metrics) for t in trajs],
+        "env_metrics": [{**t.metrics, **turn_versions(t)} for t in trajs],
     }
     keys = [k for k in mod.GeneratorOutput.__annotations__ if k not in _VISION_KEYS] if mod else GENERATOR_OUTPUT_KEYS
     return {k: values.get(k) for k in keys}

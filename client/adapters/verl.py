@@ -31,7 +31,9 @@ from rolloutd.client.adapters.common import (
     masked_logprobs,
     stage_times,
     tensors,
+    trained_mask,
     trainer_module,
+    turn_versions,
 )
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.trajectory import Trajectory
@@ -107,7 +109,7 @@ def _extra_fields(trajectory: Trajectory) -> dict[str, Any]:
         "task_id": trajectory.task_id,
         "sample_index": trajectory.sample_index,
         "finish_reason": trajectory.finish_reason,
-        "weight_versions": trajectory.weight_versions,
+        **turn_versions(trajectory),
         "reward_valid": trajectory.reward_valid,
         "ended_by": trajectory.ended_by,
     }
@@ -131,7 +133,7 @@ def to_verl_agent_loop_outputs(
             out_cls(
                 prompt_ids=np.asarray(t.prompt_ids).tolist(),
                 response_ids=np.asarray(t.response_ids).tolist(),
-                response_mask=np.asarray(t.response_mask).tolist(),
+                response_mask=trained_mask(t).tolist(),
                 response_logprobs=masked_logprobs(t).tolist(),
                 reward_score=float(t.reward),
                 num_turns=verl_num_turns(t),

@@ -9,6 +9,8 @@ returns the token history the proxy recorded. The harness gets in its environmen
   to the socket (``loopback: false`` skips it: the URL is then ``http://localhost/v1`` and the
   harness must reach the socket itself, e.g. ``httpx.HTTPTransport(uds=...)``);
 - ``OPENAI_API_KEY``: a random key for this trajectory only (the proxy refuses any other);
+- ``ANTHROPIC_BASE_URL`` (the forwarder's URL without ``/v1``) and ``ANTHROPIC_API_KEY`` (the
+  same key), for harnesses on Anthropic's SDK (the proxy serves ``/v1/messages`` too);
 - ``ROLLOUTD_OPENAI_SOCKET``: the proxy's socket as the sandbox sees it;
 - ``ROLLOUTD_MODEL``: the model name to request (any name is served);
 - ``ROLLOUTD_TASK_ID``, ``ROLLOUTD_WORKDIR``, and ``ROLLOUTD_TASK_PROMPT_FILE``: a file holding
@@ -145,7 +147,7 @@ class BlackBoxAgent(Agent):
                                content_special_tokens=cfg.content_special_tokens or ctx.content_special_tokens)
         server = OpenAIProxyServer(session, api_key=key, socket_path=folder / "api.sock")
         (folder / "task.md").write_text(user_prompt(ctx))
-        env = {**cfg.env, "OPENAI_API_KEY": key, "OPENAI_BASE_URL": "http://localhost/v1",
+        env = {**cfg.env, "OPENAI_API_KEY": key, "OPENAI_BASE_URL": "http://localhost/v1", "ANTHROPIC_API_KEY": key,
                "ROLLOUTD_OPENAI_SOCKET": f"{inside}/api.sock", "ROLLOUTD_MODEL": cfg.model_name,
                "ROLLOUTD_TASK_ID": ctx.instance_id, "ROLLOUTD_TASK_PROMPT_FILE": f"{inside}/task.md",
                "ROLLOUTD_WORKDIR": ctx.workdir}

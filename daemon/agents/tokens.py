@@ -53,6 +53,7 @@ from rolloutd.native_io.errors import AgentError, ConfigError
 from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
+from .codec import TokenCodec
 from .content_text import ContentText
 
 log = logging.getLogger(__name__)
@@ -66,25 +67,6 @@ Message = dict[str, str]
 _HEAD_CACHE_SIZE = 16
 """System messages whose ids a shared framing keeps, the most recently used (about one per agent
 configuration in use)."""
-
-
-class TokenCodec:
-    """encode/decode without special-token insertion or clean-up, through the tokenizer's Rust
-    backend when it has one (the Python wrapper adds ~40 us per call)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-
-    def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return str(self._backend.decode(ids, skip_special_tokens=False))
-        return str(self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 class ChatFraming:
@@ -346,6 +328,10 @@ class TokenLedger:
         if self.messages[-1]["role"] == "assistant":
             raise AgentError("two model turns in a row: add the observation of the previous turn first")
         new = result.token_ids.tolist()
+        if np.shape(result.logprobs) != (len(new),):
+            # numpy would broadcast a shorter array over the turn: log-probabilities of other tokens
+            raise AgentError(f"a turn of {len(new)} tokens came with log-probabilities of shape "
+                             f"{np.shape(result.logprobs)} from {result.server or 'the server'}; need one per token")
         if len(new) > self.room:
             raise AgentError(f"a turn of {len(new)} tokens does not fit the {self.room} left under "
                              f"max_context_tokens={self.max_total_tokens}; ask for at most room tokens")
@@ -353,7 +339,9 @@ class TokenLedger:
         self.ids.extend(new)
         self._chunks.append(_Chunk(len(new), 1, result.logprobs))
         self.turns.append(TurnRecord(start=start, end=start + len(new), weight_version=result.weight_version,
-                                     finish_reason=result.finish_reason, server=result.server))
+                                     finish_reason=result.finish_reason, server=result.server,
+                                     sent_version=result.sent_version, straddled=result.straddled,
+                                     weight_spans=[(s.version, s.start, s.end) for s in result.weight_spans]))
         self._closed = bool(new) and new[-1] == self.eot_id
         content = self.codec.decode(new[:-1] if self._closed else new)
         self.messages.append({"role": "assistant", "content": content})

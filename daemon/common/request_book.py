@@ -1,11 +1,13 @@
 """Exactly once, in one place: the book of accepted requests that the node's supervisor and the
 router both keep.
 
-A request id is accepted once; until its final answer leaves, a repeat of the id joins it (the
-newest asker gets the answer); after that, a repeat is answered from the cache of answers, or with
-DUPLICATE_REQUEST when the answer was not kept (too large, or it carried arrays). Every final answer
-leaves through :meth:`RequestBook.answer`, which takes the id out of the book, so a second answer
-for one id cannot leave. Answers stay cached for ``completed_ttl_s``.
+A request id is accepted once; until its final answer leaves, a repeat of the id joins it (every
+asker gets the one answer: the first as it came, the others what the owner says they may share);
+after that, a repeat is answered from the cache of answers, which the owner keeps self-contained
+(never naming shared memory that may hold another reply by then), or with DUPLICATE_REQUEST when
+the answer was not kept. Every final answer leaves through :meth:`RequestBook.answer`, which takes
+the id out of the book, so a second answer for one id cannot leave. Answers stay cached for
+``completed_ttl_s``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgpack
@@ -43,6 +45,8 @@ class Accepted:
     op: str
     frames: list[Any]
     """As received, type onward; kept (not copied) to dispatch again."""
+    joined: list[tuple[LoopSocket | None, bytes]] = field(default_factory=list)
+    """Other askers of the same id while it ran: each gets the one answer too."""
 
 
 P = TypeVar("P", bound=Accepted)
@@ -77,10 +81,16 @@ def salvage_id(frames: list[Any]) -> str:
     return ""
 
 
-def _nbytes(frame: Any) -> int:
+def nbytes(frame: Any) -> int:
     if isinstance(frame, memoryview):
         return frame.nbytes
     return len(frame) if isinstance(frame, (bytes, bytearray)) else len(frame.buffer)
+
+
+def not_kept(rid: str) -> list[bytes]:
+    return error_frames(rid, DuplicateRequest(
+        f"request {rid} was already answered and its result (over {CACHE_ANSWER_MAX_BYTES} bytes, with arrays "
+        "not kept, or its shared memory gone) was not kept; submit it again under a new id"))
 
 
 class RequestBook(Generic[P]):
@@ -99,15 +109,14 @@ class RequestBook(Generic[P]):
         p = self._pending.get(rid)
         if p is not None:
             self._counters["duplicates"] += 1
-            p.client, p.socket = client, socket  # the newest asker gets the one answer
+            if (socket, client) != (p.socket, p.client) and (socket, client) not in p.joined:
+                p.joined.append((socket, client))  # every asker gets the one answer
             return True
         cached = self._completed.get(rid)
         if cached is None:
             return False
         self._counters["duplicates"] += 1
-        self._send(socket, client, cached[1] if cached[1] is not None else error_frames(rid, DuplicateRequest(
-            f"request {rid} was already answered and its answer was not kept (it carried arrays or was over "
-            f"{CACHE_ANSWER_MAX_BYTES} bytes); use a new id")))
+        self._send(socket, client, cached[1] if cached[1] is not None else not_kept(rid))
         return True
 
     def open(self, p: P) -> None:
@@ -116,18 +125,24 @@ class RequestBook(Generic[P]):
     def get(self, rid: str) -> P | None:
         return self._pending.get(rid)
 
-    def answer(self, p: P, frames: list[Any], *, keep: bool = True) -> None:
-        """The one place a final answer leaves: exactly once per accepted id. ``keep=False`` when
-        the answer must not be handed out again (it names arrays the client releases)."""
+    def answer(self, p: P, frames: list[Any], *, kept: list[bytes] | None,
+               for_joined: Callable[[], list[Any] | None] | None = None) -> None:
+        """The one place a final answer leaves: exactly once per accepted id. ``kept``: what a
+        later repeat of the id gets (self-contained), or None; ``for_joined``: what askers who
+        joined while it ran get (default ``kept``; DUPLICATE_REQUEST when there is nothing)."""
         if self._pending.pop(p.rid, None) is None:
             return
         self._counters["errors" if as_bytes(frames[0]) == TYPE_ERROR else "replies"] += 1
-        small = keep and sum(_nbytes(f) for f in frames) <= CACHE_ANSWER_MAX_BYTES
-        self._completed[p.rid] = (time.monotonic(), [as_bytes(f) for f in frames] if small else None)
+        self._completed[p.rid] = (time.monotonic(), kept)
         self._send(p.socket, p.client, frames)
+        if p.joined:
+            shared = kept or (for_joined() if for_joined is not None else None) or not_kept(p.rid)
+            for socket, client in p.joined:
+                self._send(socket, client, shared)
 
     def answer_error(self, p: P, e: RolloutdError) -> None:
-        self.answer(p, error_frames(p.rid, e))
+        frames = error_frames(p.rid, e)
+        self.answer(p, frames, kept=frames)
 
     def forget_expired(self, now: float) -> None:
         """Drop kept answers older than ``completed_ttl_s``."""

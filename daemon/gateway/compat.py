@@ -51,7 +51,8 @@ def critical_error(trajectory: Trajectory) -> str | None:
 
 def messages(trajectory: Trajectory, tokenizer: Decoder | None = None) -> list[dict[str, Any]]:
     """The chat turns with their recorded ids (see the module docstring)."""
-    log = trajectory_message_log(trajectory, tokenizer=tokenizer, prompt_role="user", observation_role="tool")
+    log = trajectory_message_log(trajectory, tokenizer=tokenizer, prompt_role="user", observation_role="tool",
+                                 as_generated=True)
     while log and log[-1]["role"] != "assistant":
         log.pop()
     context = np.concatenate([trajectory.prompt_ids, trajectory.response_ids]).astype(np.int64)

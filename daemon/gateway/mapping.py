@@ -141,7 +141,7 @@ def timing(trajectory: Trajectory, wall_s: float) -> dict[str, Any]:
     counted = sum(stages.values())
     return {"init_time": stages["init"], "run_time": stages["run"], "eval_time": stages["eval"],
             "others_time": max(0.0, wall_s - counted), "counted_elapsed": counted,
-            "timeout_triggered": trajectory.finish_reason == "timeout"}
+            "timeout_triggered": trajectory.finish_reason in ("timeout", "eval_timeout")}
 
 
 def result_json(trajectory: Trajectory, *, job_id: str, instance: dict[str, Any], wall_s: float) -> dict[str, Any]:

@@ -118,6 +118,10 @@ class GenerateResult:
     token ids, most likely first; None when none were asked for or the backend reports none."""
     top_logprobs: np.ndarray | None = None
     """float32 ``[n, k]``: their log-probabilities."""
+    sent_version: str = ""
+    """The pool's weight version when the call was sent (filled in by the pool)."""
+    straddled: bool = False
+    """Tokens of more than one weight version may be in it (filled in by the pool)."""
 
 
 class InferenceBackend(ABC):

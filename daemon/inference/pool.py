@@ -22,8 +22,9 @@ so an agent can size its turns to what every server accepts.
 
 Weight updates: :meth:`pause_all` pauses every server (vLLM ``/pause?mode=keep``, SGLang
 ``/pause_generation``) and holds new calls in the pool; :meth:`resume_all` resumes them. Every
-result carries a weight version: the server's own where the protocol reports one (SGLang),
-otherwise the version last given to :meth:`set_weight_version`.
+result carries a weight version: the server's own where the protocol reports one (vLLM's
+per-token spans, SGLang's label), otherwise the version set with :meth:`set_weight_version` when
+the call was sent; and ``straddled`` where a version change fell inside the call.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def label_versions(result: GenerateResult, sent: str, *, straddled: bool) -> None:
+    """The versions a result holds: the server's per-token spans where it reports them, else the
+    version the call was sent under (not the one current when it came back), and whether a
+    version change fell inside the call (``straddled``: the pool's version changed meanwhile)."""
+    result.sent_version = sent
+    if result.weight_spans:
+        result.straddled = len({s.version for s in result.weight_spans}) > 1
+        return
+    result.straddled = straddled
+    if not result.weight_version:
+        result.weight_version = sent
+
+
 class ServerPool:
     def __init__(self, *, api_key: str | None = None, max_attempts: int = 3, health_interval_s: float = 5.0,
                  weight_version: str = "0", max_sticky: int = 100_000, server_wait_s: float = 0.0,
@@ -77,6 +91,8 @@ class ServerPool:
         self._api_key = api_key
         self._max_attempts = max_attempts
         self._weight_version = weight_version
+        self._version_epoch = 0
+        """Bumped by every :meth:`set_weight_version`: a call that sees it change straddled one."""
         self._max_sticky = max_sticky
         self._http_options = http_options or {}
         self._servers: dict[str, PoolServer] = {}
@@ -199,6 +215,7 @@ class ServerPool:
                                        f"{attempt} attempt(s); raise timeout_s")
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
             attempt += 1
+            sent, epoch = self._weight_version, self._version_epoch
             call = loop.create_task(server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining),
                                     name=f"inference-{rid}")
             server.calls[rid] = call
@@ -227,10 +244,9 @@ class ServerPool:
                 server.in_flight -= 1
                 if server.in_flight == 0:
                     server.idle.set()
+            label_versions(result, sent, straddled=self._version_epoch != epoch)
             if result.weight_version:
                 server.weight_version = result.weight_version
-            else:
-                result.weight_version = self._weight_version
             server.completed += 1
             server.slow_probes = 0
             return result
@@ -267,6 +283,7 @@ class ServerPool:
         (so its per-token versions say it from now on), and for results from servers that report
         none."""
         self._weight_version = str(version)
+        self._version_epoch += 1
         await self._health.on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
 
     @property

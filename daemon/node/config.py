@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolloutd.daemon.common.config import load_typed_config
+from rolloutd.daemon.sandbox.base import SandboxLimits
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.run_dir import SOCKET_PATH_MAX, default_run_dir
 
@@ -55,6 +56,18 @@ class NodeConfig:
     it on its first cell (0.7-0.9 s then), and a rollout that never calls IPython never pays for one."""
     sandbox_max_age_s: float = 3600.0
     """An idle warm sandbox older than this is replaced."""
+    sandbox_memory_mb: int = 8192
+    """Memory of each sandbox, its tmpfs writes included (a memory cgroup where one is writable,
+    else the watchdog reading /proc); over it, SANDBOX_LIMIT. 0 = no cap."""
+    sandbox_process_memory_mb: int = 8192
+    """Address space of each process in a sandbox (RLIMIT_AS). 0 = no limit."""
+    sandbox_workspace_mb: int = 10240
+    """Disk each sandbox's /workspace may take (one file at most this: RLIMIT_FSIZE; all of them:
+    the watchdog); over it, SANDBOX_LIMIT. 0 = no cap."""
+    sandbox_max_processes: int = 512
+    """Processes each sandbox may run at once; over it, SANDBOX_LIMIT."""
+    sandbox_disk_check_interval_s: float = 5.0
+    """How often the watchdog measures workspaces for sandbox_workspace_mb (a stat per file)."""
     sandbox_user: str = "rolloutd-sandbox"
     """When the daemon runs as root, the unprivileged user its workers and so every sandbox run as
     (``scripts/add-sandbox-user`` creates it); ignored for a daemon started by an ordinary user."""
@@ -118,6 +131,9 @@ class NodeConfig:
     """Rollouts in the eval stage at once (per node)."""
     queue_limit: int = 4096
     """Rollout samples waiting for a stage slot before new submissions get BUSY."""
+    debug_ops: bool = False
+    """Answer the ``debug.*`` operations (synthetic arrays, sleeps; for tests and benchmarks) on the
+    node's sockets; off, they are refused with PERMISSION_DENIED."""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -139,6 +155,13 @@ class NodeConfig:
                 "a tcp router needs curve_secret_key_file (this node's key) and router_public_key_file: "
                 "node and router only talk over TCP encrypted and authenticated (`rolloutd keygen`)"
             )
+        if not self.sandbox_disk_check_interval_s > 0:
+            raise ConfigError(f"sandbox_disk_check_interval_s must be > 0 seconds, got {self.sandbox_disk_check_interval_s}")
+        for name in ("sandbox_memory_mb", "sandbox_process_memory_mb", "sandbox_workspace_mb"):
+            if getattr(self, name) != 0 and getattr(self, name) < 16:
+                raise ConfigError(f"{name} must be >= 16 (MiB), or 0 for no cap, got {getattr(self, name)}")
+        if self.sandbox_max_processes < 8:
+            raise ConfigError(f"sandbox_max_processes must be >= 8, got {self.sandbox_max_processes}")
         if self.router_slots < 0:
             raise ConfigError(f"router_slots must be >= 0, got {self.router_slots}")
         try:
@@ -157,6 +180,12 @@ class NodeConfig:
                 f"socket path {self.socket_path} is longer than {SOCKET_PATH_MAX} bytes (Unix socket limit); "
                 "choose a shorter run_dir"
             )
+
+    def sandbox_limits(self) -> SandboxLimits:
+        """Every sandbox's caps (0 in a field: no cap)."""
+        return SandboxLimits(max_processes=self.sandbox_max_processes, memory_mb=self.sandbox_memory_mb or None,
+                             process_memory_mb=self.sandbox_process_memory_mb or None,
+                             workspace_mb=self.sandbox_workspace_mb or None)
 
     @property
     def run_path(self) -> Path:

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.daemon.common.request_book import Accepted, RequestBook, Send, error_frames
+from rolloutd.daemon.common.request_book import CACHE_ANSWER_MAX_BYTES, Accepted, RequestBook, Send, error_frames
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.segments import Segments
 from rolloutd.daemon.node.workers import WorkerHandle, Workers
-from rolloutd.native_io import framing
+from rolloutd.native_io import framing, shm
 from rolloutd.native_io.errors import (
     Cancelled,
+    PermissionDenied,
     RolloutdError,
     SandboxLost,
     ShuttingDown,
@@ -72,6 +73,9 @@ class RequestFlow:
                 raise ShuttingDown("the node daemon is shutting down")
             op = header.get("op")
             args = parse_args(op, header.get("args"))
+            if op.startswith("debug.") and not self.config.debug_ops:
+                raise PermissionDenied(f"{op} is a debug operation, off on this node: start it with --debug-ops "
+                                       "(node config debug_ops = true) to use it")
         except RolloutdError as e:
             self._send(sock, client, error_frames(rid, e))
             return
@@ -267,4 +271,7 @@ class RequestFlow:
     def deliver(self, p: Pending, frames: list[Any]) -> None:
         if p.worker is not None:
             self.workers[p.worker].in_flight.discard(p.rid)
-        self.book.answer(p, frames)
+        # Kept with its arrays copied out of shared memory: the segments are reused once released.
+        # The segments belong to the first asker (its release frees them): others get copies.
+        kept = shm.self_contained(frames, max_bytes=CACHE_ANSWER_MAX_BYTES)
+        self.book.answer(p, frames, kept=kept, for_joined=lambda: shm.self_contained(frames, max_bytes=None))

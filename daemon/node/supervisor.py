@@ -33,6 +33,7 @@ from rolloutd.daemon.node.router_link import RouterLink
 from rolloutd.daemon.node.sandbox_user import prepare_workers_dir, sandbox_user, workers_dir
 from rolloutd.daemon.node.segments import Segments
 from rolloutd.daemon.node.workers import WorkerHandle, Workers
+from rolloutd.daemon.sandbox import cgroups
 from rolloutd.native_io import framing, shm
 from rolloutd.native_io.curve import bind_curve_router
 from rolloutd.native_io.errors import PermissionDenied, RolloutdError
@@ -94,6 +95,9 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             prepare_workers_dir(self.config, self.sandbox_user)
+            if self.sandbox_user is not None:  # the workers cannot make memory cgroups: hand them a folder
+                self.workers.memory_cgroup = cgroups.delegate(
+                    self.workers_dir.name, self.sandbox_user.uid, self.sandbox_user.gid, self.run_dir / cgroups.RECORD_FILE)
             await self.workers.check_can_start()
             await self.engines.start()
             async with asyncio.TaskGroup() as tg:
@@ -122,6 +126,7 @@ class Supervisor:
             await self.engines.stop()
             self._close_sockets()
             await asyncio.to_thread(shutil.rmtree, self.workers_dir, ignore_errors=True)
+            cgroups.remove_delegated(self.run_dir / cgroups.RECORD_FILE)
 
     async def _shutdown(self) -> None:
         for ext in self.extensions:

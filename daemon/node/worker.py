@@ -67,11 +67,12 @@ class Worker:
         self.link_fd = link_fd
         self.link: UnixLink | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
-        self.default_spec = SandboxSpec(image=config.image)
+        self.default_spec = SandboxSpec(image=config.image, limits=config.sandbox_limits())
         self.pool = WarmPool(
             self.backend,
             warm_specs={self.default_spec: config.warm_sandboxes_per_worker} if config.warm_sandboxes_per_worker else {},
             max_age_s=config.sandbox_max_age_s,
+            disk_check_interval_s=config.sandbox_disk_check_interval_s,
             start_kernels=config.warm_ipython,
         )
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -116,7 +117,8 @@ class Worker:
                                             server_wait_s=cfg.inference_server_wait_s)
         self.pipeline = RolloutPipeline(sandboxes=self.pool, inference=inference, tokenizer=tokenizer, limits=limits,
                                         cache_dir=self.backend.shared_dir / "task-cache", image=cfg.image,
-                                        content_special_tokens=cfg.content_special_tokens)
+                                        content_special_tokens=cfg.content_special_tokens,
+                                        sandbox_limits=self.default_spec.limits)
         self.extra_stats.append(lambda: {"pipeline": self.pipeline.stats() if self.pipeline else {}})
 
     async def serve(self) -> None:
@@ -222,7 +224,8 @@ class Worker:
     # --- sandbox ops ---------------------------------------------------------------------------
 
     async def _sandbox_open(self, args: SandboxOpenArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        spec = SandboxSpec(image=args.image, network=args.network, ipython=args.ipython, writable=args.writable)
+        spec = SandboxSpec(image=args.image, network=args.network, ipython=args.ipython, writable=args.writable,
+                           limits=self.default_spec.limits)
         lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
         sb = lease.sandbox
         return {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,

@@ -18,6 +18,7 @@ from typing import Any
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.reaper import reap_state_dir
 from rolloutd.daemon.node.sandbox_user import SandboxUser, own_folder
+from rolloutd.daemon.sandbox import cgroups
 from rolloutd.daemon.sandbox.apptainer import apptainer_available
 from rolloutd.daemon.sandbox.images import cache_dir, resolve_image
 from rolloutd.native_io.errors import ConfigError, RolloutdError
@@ -63,6 +64,8 @@ class Workers:
         self.handles = {i: WorkerHandle(i, restart_delay_s=config.worker_restart_delay_s)
                         for i in range(config.worker_count)}
         self.stopping = False
+        self.memory_cgroup: Path | None = None
+        """The memory cgroup folder handed to the sandbox user's workers (a root daemon's)."""
         self._on_message = on_message
         self._on_died = on_died
         self._counters = counters
@@ -126,6 +129,8 @@ class Workers:
         """Start the worker, and restart it whenever it dies, until shutdown."""
         while not self.stopping:
             env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
+            if self.memory_cgroup is not None:
+                env[cgroups.CGROUP_ENV] = str(self.memory_cgroup)
             state = self.state_dir(w.index)
             await asyncio.to_thread(reap_state_dir, state)
             state.mkdir(mode=0o700, parents=True, exist_ok=True)

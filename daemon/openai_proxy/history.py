@@ -40,6 +40,7 @@ import functools
 import itertools
 import logging
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,8 @@ class Turn:
     """The model's turn as recorded (cut at a ``stop`` string)."""
     reply_ids: int
     """How many of its ids the reply's text holds (not the token that ended the turn)."""
+    stop_sequence: str | None = None
+    """The request's ``stop`` string that ended the turn, if one did."""
 
 
 @dataclass
@@ -238,7 +241,8 @@ class History:
         segment.turns += 1
         segment.last_turn_at = next(self._turn_seq)
         finish = "length" if result.finish_reason == "length" else ("tool_calls" if calls else "stop")
-        return Turn(message, finish, prompt_tokens, result, end)
+        stop = None if stop_at is None else next(s for s in request.stop if text.startswith(s, stop_at))
+        return Turn(message, finish, prompt_tokens, result, end, stop)
 
     @property
     def rewritten(self) -> bool:
@@ -277,7 +281,7 @@ class History:
             ids.append(o.response_ids)
             mask.append(o.response_mask)
             lps.append(o.response_logprobs)
-            turns += [TurnRecord(t.start + offset, t.end + offset, t.weight_version, t.finish_reason, t.server)
+            turns += [dataclasses.replace(t, start=t.start + offset, end=t.end + offset)
                       for t in o.turns]
             offset += len(o.response_ids)
             ranges.append((start, offset))

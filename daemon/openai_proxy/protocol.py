@@ -298,6 +298,16 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoic
     return ToolChoice("none" if not tools else mode, function, parallel is not False)
 
 
+def function_tool(name: str, description: Any, parameters: Any) -> dict[str, Any]:
+    """A tool another API describes, as chat's ``function`` (keys in chat's order: the template
+    renders the tool as JSON, so the order is part of the prompt)."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters or {"type": "object"}
+    return function
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -354,6 +364,8 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     """Per token of the reply's text, when the request asked for them."""
     fingerprint: str = ""
+    stop_sequence: str | None = None
+    """The request's ``stop`` string that ended the reply (the Anthropic API reports it)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def usage(self) -> dict[str, int]:
@@ -386,12 +398,12 @@ class Completion:
         the turn is whole before the stream starts), the content in word-sized pieces, each tool
         call (id and name first, then its arguments in pieces), the finish reason, and the usage."""
         out = [self._chunk({"role": "assistant", "content": ""}, logprobs=self._logprobs())]
-        out += [self._chunk({"content": piece}) for piece in _pieces(self.message.content or "")]
+        out += [self._chunk({"content": piece}) for piece in pieces(self.message.content or "")]
         for i, call in enumerate(self.message.tool_calls):
             out.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                                     "function": {"name": call.name, "arguments": ""}}]}))
             out += [self._chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
-                    for piece in _pieces(call.arguments)]
+                    for piece in pieces(call.arguments)]
         out.append(self._chunk({}, self.finish_reason))
         if include_usage:
             out.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -400,7 +412,7 @@ class Completion:
         return out
 
 
-def _pieces(text: str, size: int = 16) -> list[str]:
+def pieces(text: str, size: int = 16) -> list[str]:
     """``text`` cut into pieces of about ``size`` characters (a stream's deltas join to it exactly)."""
     return [text[i:i + size] for i in range(0, len(text), size)]
 

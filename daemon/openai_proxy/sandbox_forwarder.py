@@ -3,7 +3,8 @@
     python3 sandbox_forwarder.py --socket /run/rolloutd/openai/api.sock -- CMD [ARG...]
 
 Listens on 127.0.0.1 (a free port), relays every connection byte for byte to the proxy's Unix
-socket, and runs CMD with ``OPENAI_BASE_URL=http://127.0.0.1:<port>/v1`` in its environment.
+socket, and runs CMD with ``OPENAI_BASE_URL=http://127.0.0.1:<port>/v1`` and
+``ANTHROPIC_BASE_URL=http://127.0.0.1:<port>`` (the Anthropic SDK adds ``/v1`` itself) in its environment.
 Exits with CMD's exit status once CMD ends; SIGTERM or SIGINT is passed on to CMD. The
 sandbox's own loopback is used, so this works with ``--network none``.
 """
@@ -51,7 +52,7 @@ async def _relay(socket_path: str, client_r: asyncio.StreamReader, client_w: asy
 async def main(socket_path: str, argv: list[str]) -> int:
     server = await asyncio.start_server(lambda r, w: _relay(socket_path, r, w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    env = dict(os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}/v1")
+    env = dict(os.environ, OPENAI_BASE_URL=f"http://127.0.0.1:{port}/v1", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{port}")
     child = await asyncio.create_subprocess_exec(*argv, env=env)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,27 +1,32 @@
 """The per-rollout HTTP server: OpenAI's chat routes on a Unix socket in the sandbox's run folder.
 
 Routes: ``POST /v1/chat/completions`` (JSON, or Server-Sent Events with ``stream: true``),
-``GET /v1/models``, ``GET /v1/models/{id}`` (any id: chat serves the one policy under any model
-name, so every name is that model); ``POST /v1/completions`` is refused (404 naming the chat
-route: a text completion has no chat history to keep). Every route needs ``Authorization: Bearer <key>``
-with the rollout's own key. The socket sits in the lease's run folder, which the sandbox sees
-at ``/run/rolloutd``; nothing listens on TCP (a harness that needs a URL gets one from the
-loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
+``POST /v1/messages`` (Anthropic's Messages API) and ``POST /v1/responses`` (OpenAI's Responses
+API), both translated into a chat request of the same session (``apis.py``: one history, one
+token ledger, their own reply, stream and error shapes), ``GET /v1/models``,
+``GET /v1/models/{id}`` (any id: chat serves the one policy under any model name, so every name
+is that model); ``POST /v1/completions`` is refused (404 naming the chat route: a text
+completion has no chat history to keep). Every route needs ``Authorization: Bearer <key>`` (or
+Anthropic's ``x-api-key: <key>``) with the rollout's own key. The socket sits in the lease's run
+folder, which the sandbox sees at ``/run/rolloutd``; nothing listens on TCP (a harness that needs
+a URL gets one from the loopback forwarder started inside the sandbox, ``sandbox_forwarder.py``).
 
 A streamed reply is written once the whole turn is generated (the inference pool returns whole
 turns): the role, the content in pieces, each tool call, the finish reason, the usage when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``, the HTTP layer's
-too: 400 for requests refused (the SDK does not retry them), 401 for a wrong key, 404 for an
-unknown route, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 502 when the
-inference servers failed (the SDK retries; the history is unchanged), 503 once the rollout is over.
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+``{"type": "error", "error": {...}}`` on ``/v1/messages``), the HTTP layer's too: 400 for
+requests refused (the SDK does not retry them), 401 for a wrong key, 404 for an unknown route,
+405 for a wrong method, 413 for a body over ``max_body_bytes``, 502 when the inference servers
+failed (the SDK retries; the history is unchanged), 503 once the rollout is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -33,7 +38,8 @@ from aiohttp import web
 
 from rolloutd.native_io.errors import BadRequest, ConfigError, InferenceError, InferenceRejected
 
-from .protocol import error_body, model_body, models_body, parse_chat_request
+from .apis import APIS, CHAT, Api, api_of
+from .protocol import model_body, models_body
 from .session import ProxySession
 
 log = logging.getLogger(__name__)
@@ -42,11 +48,6 @@ MAX_SOCKET_PATH = 107
 MAX_BODY_BYTES = 64 * 1024 * 1024
 CLOSE_TIMEOUT_S = 5.0
 PARSE_ON_LOOP_BYTES = 64 * 1024
-
-
-def _error(status: int, message: str, *, type_: str = "invalid_request_error", code: str | None = None,
-           param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, type_=type_, code=code, param=param), status=status)
 
 
 class OpenAIProxyServer:
@@ -70,7 +71,8 @@ class OpenAIProxyServer:
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._guard], client_max_size=self.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        for path, api in APIS.items():
+            app.router.add_post(path, functools.partial(self._serve, api=api))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
@@ -104,13 +106,17 @@ class OpenAIProxyServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        api = api_of(request.path)
         if self._closing:
-            return _error(503, "the rollout is over; this proxy no longer serves requests", type_="server_error",
+            return api.error(503, "the rollout is over; this proxy no longer serves requests", type_="server_error",
                           code="rolloutd_trajectory_ended")
+        # Bearer for OpenAI's SDKs (and Anthropic's auth_token), x-api-key for Anthropic's api_key.
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            return _error(401, "Incorrect API key provided: use the key in OPENAI_API_KEY of this rollout",
-                          code="invalid_api_key")
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), self._key):
+            return api.error(401, "Incorrect API key provided: use the key in OPENAI_API_KEY of this rollout",
+                             code="invalid_api_key")
         task = asyncio.current_task()
         assert task is not None
         self._in_flight.add(task)
@@ -120,7 +126,7 @@ class OpenAIProxyServer:
             if e.status < 400:
                 raise
             message = _HTTP_MESSAGES.get(e.status)
-            return _error(e.status, e.reason if message is None else message.format(
+            return api.error(e.status, e.reason if message is None else message.format(
                 path=request.path, method=request.method, limit=self.max_body_bytes), code=_HTTP_CODES.get(e.status))
         finally:
             self._in_flight.discard(task)
@@ -132,43 +138,45 @@ class OpenAIProxyServer:
         return web.json_response(model_body(request.match_info["model"], self._created))
 
     async def _completions(self, request: web.Request) -> web.Response:
-        return _error(404, "/v1/completions (text completions) is not served: the proxy keeps the token history of "
+        return CHAT.error(404, "/v1/completions (text completions) is not served: the proxy keeps the token history of "
                            "a chat; send the conversation to /v1/chat/completions", code="unsupported_endpoint")
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
+        """One model turn in ``api``'s shapes: every API's request becomes a chat request and is
+        served by the one session (one history, one set of checks)."""
         raw = await request.read()
         try:
             # A big body parses in a worker thread: the GIL passes back to the loop every few ms.
             body = json.loads(raw) if len(raw) <= PARSE_ON_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
-            return _error(400, f"the request body is not valid JSON: {e}")
+            return api.error(400, f"the request body is not valid JSON: {e}")
         except RecursionError:
-            return _error(400, "the request body nests JSON too deeply")
+            return api.error(400, "the request body nests JSON too deeply")
         try:
-            chat = parse_chat_request(body, unapplied=self.session.unapplied_fields)
+            chat = api.parse(body, unapplied=self.session.unapplied_fields)
             completion = await self.session.complete(chat)
         except BadRequest as e:
-            return _error(400, str(e), code=_str(e.details.get("code")), param=_str(e.details.get("param")))
+            return api.error(400, str(e), code=_str(e.details.get("code")), param=_str(e.details.get("param")))
         except InferenceRejected as e:
-            return _error(400, f"the inference server refused the turn: {e}", code="inference_rejected")
+            return api.error(400, f"the inference server refused the turn: {e}", code="inference_rejected")
         except InferenceError as e:
-            return _error(502, f"the inference servers failed this turn; retry it: {e}", type_="server_error",
-                          code=e.code.lower())
+            return api.error(502, f"the inference servers failed this turn; retry it: {e}", type_="server_error",
+                             code=e.code.lower())
         except ConfigError as e:
-            return _error(400, str(e))
+            return api.error(400, str(e))
         if not chat.stream:
-            return web.json_response(completion.body())
+            return web.json_response(api.body(completion))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        for chunk in completion.chunks(include_usage=chat.include_usage):
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+        for frame in api.frames(completion, chat):
+            await response.write(frame)
         await response.write_eof()
         return response
 
 
 _HTTP_MESSAGES = {
-    404: "{method} {path} is not a route of this proxy: it serves /v1/chat/completions and /v1/models",
+    404: "{method} {path} is not a route of this proxy: it serves /v1/chat/completions, /v1/messages, "
+         "/v1/responses and /v1/models",
     405: "{method} is not allowed on {path}",
     413: "the request body is over the proxy's {limit} bytes",
 }

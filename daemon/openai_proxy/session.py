@@ -166,7 +166,7 @@ class ProxySession:
         return Completion(id="chatcmpl-" + secrets.token_hex(12), model=request.model, message=turn.message,
                           finish_reason=turn.finish_reason, prompt_tokens=turn.prompt_tokens,
                           completion_tokens=len(recorded.token_ids), logprobs=logprobs,
-                          fingerprint=f"rolloutd-{recorded.weight_version}")
+                          fingerprint=f"rolloutd-{recorded.weight_version}", stop_sequence=turn.stop_sequence)
 
     def _logprobs(self, result: GenerateResult, n: int, decode: Callable[[list[int]], str]) -> list[TokenLogprob]:
         """The first ``n`` tokens of a turn as the API lists them, with their top alternatives."""

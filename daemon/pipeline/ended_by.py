@@ -6,8 +6,11 @@ exactly that). So every trajectory names who ended it (``Trajectory.ended_by``),
 pipeline refills samples that infrastructure ended (``RolloutArgs.infra_retries``).
 
 Time-outs: a sample that ran out of time getting its sandbox (the init stage) was ended by the
-sandbox; one that ran out while the agent worked or the tests ran was ended by the model (its
-code may hang the tests: scoring that as a failure is right, and dropping it would reward hangs).
+sandbox (and is refilled); one that ran out while the agent worked (``timeout``) or the tests ran
+(``eval_timeout``) was ended by its ``deadline``: a slow inference server or a loaded node looks
+exactly like a slow model there, so it is not scored (issue 27: a 0.0 would train the model on
+the node's load). Its tokens are not trained on either; a task whose tests can hang should cap
+them itself (pytest-timeout), so a hang fails the test and is the model's.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ def ended_by(finish: str, error: RolloutdError | None, timed_out_stage: str | No
         return "client"
     if finish == "special_token":
         return "task"  # the task's environment showed text the policy refuses; a rerun meets it again
-    if finish == "timeout":
-        return "sandbox" if timed_out_stage == "init" else "model"
+    if finish in ("timeout", "eval_timeout"):
+        return "sandbox" if timed_out_stage == "init" else "deadline"
     if finish != "error":
         return "model"
     if isinstance(error, SandboxError):

@@ -5,8 +5,9 @@ set-up, prepared once per task and copied), runs the agent (run), and is evaluat
 sandbox (eval), which is then released. Gates bound each stage separately, so a sample waiting
 for an eval slot holds no agent slot and never delays another sample's turns. Only time inside
 stages counts against the time-outs. Every sample ends as a trajectory: completed, or with the
-finish reason that stopped it (``timeout``, ``cancelled``, ``error`` with code and message); a
-trajectory stopped by its deadline keeps the tokens produced so far, a cancelled one has none.
+finish reason that stopped it (``timeout``, ``eval_timeout``, ``cancelled``, ``error`` with code and
+message); a trajectory stopped by its deadline keeps the tokens produced so far (for inspection:
+``ended_by`` says no trainer may learn from them), a cancelled one has none.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rolloutd.native_io.wire import RolloutArgs
 from ..agents.base import AgentOutcome, make_agent
 from ..agents.context import SandboxAgentContext
 from ..inference import SamplingParams, ServerPool
-from ..sandbox.base import SandboxSpec
+from ..sandbox.base import SandboxLimits, SandboxSpec
 from ..sandbox.pool import Lease, WarmPool
 from ..tasks.base import EvalResult, Task, get_task_type
 from ..tasks.datasets import resolve_task
@@ -52,10 +53,11 @@ class PipelineLimits:
 class RolloutPipeline:
     def __init__(self, *, sandboxes: WarmPool, inference: ServerPool, tokenizer: Any, limits: PipelineLimits,
                  cache_dir: Path, image: str = "default", binds: tuple[tuple[str, str, str], ...] = (),
-                 content_special_tokens: str = "text") -> None:
+                 content_special_tokens: str = "text", sandbox_limits: SandboxLimits | None = None) -> None:
         """``binds``: extra ``(host path, sandbox path, "ro"|"rw")`` binds of every rollout's sandbox
         (software a black-box harness needs, such as an SDK; the ``local`` backend ignores them).
-        ``content_special_tokens``: the node's default for the agents (their config may override it)."""
+        ``content_special_tokens``: the node's default for the agents (their config may override it).
+        ``sandbox_limits``: the caps of every rollout's sandbox (the node config's)."""
         self.sandboxes = sandboxes
         self.inference = inference
         self.tokenizer = tokenizer
@@ -64,6 +66,7 @@ class RolloutPipeline:
         self.image = image
         self.binds = binds
         self.content_special_tokens = content_special_tokens
+        self.sandbox_limits = sandbox_limits or SandboxLimits()
         self.gates = {"init": StageGate("init", limits.init), "run": StageGate("run", limits.run),
                       "eval": StageGate("eval", limits.eval)}
         self.admitted = 0
@@ -135,7 +138,7 @@ class RolloutPipeline:
         clock = StageClock(budget_s)
         task_type = get_task_type(task.type)
         spec = SandboxSpec(image=task.image if task.image != "default" else self.image,
-                           network=args.network, ipython=args.ipython, binds=self.binds)
+                           network=args.network, ipython=args.ipython, binds=self.binds, limits=self.sandbox_limits)
         lease: Lease | None = None
         agent = make_agent(args.agent, args.agent_config)
         outcome: AgentOutcome | None = None
@@ -188,6 +191,8 @@ class RolloutPipeline:
             self.counters["completed"] += 1
             finish = outcome.finish_reason if outcome is not None else "error"
         stage = clock.events[-1][0] if clock.events else None
+        if finish == "timeout" and stage == "eval":
+            finish = "eval_timeout"  # the tests ran out of time: no score (was 0.0), an outcome of its own
         return _trajectory(request_id, index, task, args, outcome, evaluation, finish, error, clock,
                            lease.kernel_start_s if lease is not None else 0.0, ended_by(finish, error, stage))
 

@@ -56,6 +56,9 @@ class EngineOutput:
     weight_version: str
     prompt_tokens: int
     e2e_s: float
+    weight_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(version, start, end)`` runs of generated tokens under one weight version, as vLLM 0.32
+    reports them: a call that spans a weight update (pause keep, load, resume) has several."""
 
 
 @dataclass(eq=False)
@@ -69,6 +72,7 @@ class _Sequence:
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
     out_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    out_versions: list[str] = field(default_factory=list)
 
 
 class PolicyEngine:
@@ -212,7 +216,7 @@ class PolicyEngine:
             request_id=seq.req.request_id, token_ids=list(seq.out_ids), logprobs=list(seq.out_lps),
             top=list(seq.out_top) if seq.req.params.top_logprobs else None, finish_reason=reason,
             weight_version=self.weight_version, prompt_tokens=len(seq.req.prompt_ids),
-            e2e_s=time.monotonic() - seq.started))
+            e2e_s=time.monotonic() - seq.started, weight_spans=_spans(seq.out_versions)))
 
     def _admit(self) -> None:
         self._running = [s for s in self._running if not s.future.done()]
@@ -261,9 +265,21 @@ class PolicyEngine:
             seq.out_ids.append(tok)
             seq.out_lps.append(lp)
             seq.out_top.append(best)
+            seq.out_versions.append(self.weight_version)
             seq.context = seq.context[1:] + [tok]
             if tok in seq.stops:
                 self._finish(seq, "stop")
             elif len(seq.out_ids) >= seq.req.params.max_tokens or (
                     seq.req.forced is not None and len(seq.out_ids) >= len(seq.req.forced)):
                 self._finish(seq, "length")
+
+
+def _spans(versions: list[str]) -> list[tuple[str, int, int]]:
+    """Runs of equal versions as ``(version, start, end)``."""
+    spans: list[tuple[str, int, int]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1][0] == v:
+            spans[-1] = (v, spans[-1][1], i + 1)
+        else:
+            spans.append((v, i, i + 1))
+    return spans

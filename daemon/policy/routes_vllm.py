@@ -62,9 +62,8 @@ async def generate_tokens(request: web.Request) -> web.Response:
         "output_mode": "tokens",
         "choices": [{"index": 0, "finish_reason": out.finish_reason, "stop_reason": None,
                      "token_ids": out.token_ids, "logprobs": logprobs,
-                     # One engine step holds one version here, so a call's tokens share it.
-                     "weight_versions": [{"version": out.weight_version, "start": 0,
-                                          "end": len(out.token_ids)}] if out.token_ids else []}],
+                     # Each token's version, as runs: a call across a weight update has several.
+                     "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in out.weight_spans]}],
         "usage": _usage(out),
         "prompt_logprobs": None,
         "kv_transfer_params": None,

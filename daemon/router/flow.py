@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from rolloutd.daemon.common.request_book import RequestBook, Send, as_bytes, error_frames
+from rolloutd.daemon.common.request_book import CACHE_ANSWER_MAX_BYTES, RequestBook, Send, as_bytes, error_frames, nbytes
 from rolloutd.daemon.router.broadcast import REPLAY_PREFIX, Broadcasts
 from rolloutd.daemon.router.config import RouterConfig
 from rolloutd.daemon.router.dispatch import NodeEntry, routing_hints
@@ -210,7 +210,9 @@ class RequestFlow:
 
     def _deliver(self, p: Pending, frames: list[Any]) -> None:
         # Answers with arrays are not kept: the router forwards array frames, never stores them.
-        self.book.answer(p, frames, keep=len(frames) == 2)
+        # Arrays come from nodes as frames: the same frames serve every asker who joined.
+        small = len(frames) == 2 and sum(nbytes(f) for f in frames) <= CACHE_ANSWER_MAX_BYTES
+        self.book.answer(p, frames, kept=[as_bytes(f) for f in frames] if small else None, for_joined=lambda: frames)
         if self.waiting:
             self.flush()
 

@@ -3,9 +3,9 @@
 - Rootless: started by an ordinary user, an instance lives in a user namespace that user owns,
   with no capability on the host. As root no flag gives that (under ``--userns`` container root
   is still host root), so the node daemon never starts sandboxes as root: its workers run as
-  ``sandbox_user`` (:mod:`rolloutd.daemon.node.sandbox_user`). Used directly as root (tests, a
-  library caller), this backend adds ``--userns``, which the default mode needs on machines that
-  withhold a capability, and warns that its sandboxes are not contained.
+  ``sandbox_user`` (:mod:`rolloutd.daemon.node.sandbox_user`). Used directly as root, this backend
+  refuses to start unless told ``uncontained_root_ok`` (the tests); it then adds ``--userns``,
+  which the default mode needs on machines that withhold a capability.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
   ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
@@ -24,12 +24,11 @@ import shutil
 import signal
 import socket
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import psutil
 
-from rolloutd.native_io.errors import SandboxStartError
+from rolloutd.native_io.errors import ConfigError, SandboxStartError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
@@ -51,7 +50,7 @@ class ApptainerSandbox(Sandbox):
     isolated = True
 
     def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, backend: "ApptainerBackend") -> None:
-        super().__init__(sandbox_id, spec, lease_dir, backend.shared_dir)
+        super().__init__(sandbox_id, spec, lease_dir, backend.shared_dir, backend.cgroups)
         self.backend = backend
         self.instance_name = f"rld-{sandbox_id}"
         self.init_pid: int | None = None
@@ -96,9 +95,11 @@ class ApptainerSandbox(Sandbox):
         return argv
 
     async def start(self) -> None:
-        self.prepare_folders()
+        self.prepare_host()
         self.image_path = await resolve_image(self.spec.image)
         argv = self._start_argv(self.image_path)
+        if self.cgroup is not None:  # the instance's init, and what it starts, in the sandbox's cgroup
+            argv = self.cgroup.join_argv(argv)
         if self.background:
             argv = ["nice", "-n", "10", *argv]
         # Output goes to a file, not a pipe: the instance's daemon inherits the start command's
@@ -156,7 +157,7 @@ class ApptainerSandbox(Sandbox):
                     return children[0].pid if children else proc.pid
         return None
 
-    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
+    def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
         # The instance is registered under the daemon's own config dir, which exec must see too.
         cmd = ["env", f"APPTAINER_CONFIGDIR={self.backend.config_dir}", "apptainer", "-q", "exec", "--cleanenv"]
         for k, v in (env or {}).items():
@@ -164,14 +165,28 @@ class ApptainerSandbox(Sandbox):
         cmd += ["--pwd", cwd or WORKSPACE_INSIDE, f"instance://{self.instance_name}", *argv]
         return cmd
 
+    def shm_bytes(self) -> int:
+        # The instance's own tmpfs at /dev/shm (host-sized, uncapped), seen through its init.
+        if self.init_pid is None:
+            return 0
+        try:
+            st = os.statvfs(f"/proc/{self.init_pid}/root/dev/shm")
+        except OSError:
+            return 0
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def disk_folders(self) -> list[Path]:
+        overlay = self.lease_dir / "overlay"
+        return [self.workspace, overlay] if self.spec.writable == "overlay" else [self.workspace]
+
     def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
         """Every process in the instance's PID namespace (killing its init ends them all)."""
         if self._pidns is None:
             return []
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.pidns == self._pidns]
 
-    def process_count(self, census: Counter[int]) -> int:
-        return census[self._pidns] if self._pidns is not None else 0
+    def census_keys(self) -> set[int]:
+        return {self._pidns} if self._pidns is not None else set()
 
     async def stop(self) -> None:
         init = self._init
@@ -195,16 +210,23 @@ class ApptainerBackend(SandboxBackend):
     name = "apptainer"
     census_kind = "pidns"  # each instance has a PID namespace of its own
 
-    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0, uncontained_root_ok: bool = False) -> None:
+        """``uncontained_root_ok``: as root, start sandboxes anyway, whose root is host root (for
+        trusted code only, such as the tests); refused otherwise."""
         if not apptainer_available():
             raise SandboxStartError(
                 "the apptainer backend needs the `apptainer` command (>= 1.1); install it "
                 "(scripts/install-apptainer on Debian) or use backend 'local'"
             )
-        super().__init__(state_dir)
         if os.getuid() == 0:
-            log.warning("apptainer sandboxes started by root hold host root's privileges; the node daemon runs "
-                        "them as its sandbox_user instead (rolloutd node start)")
+            if not uncontained_root_ok:
+                raise ConfigError(
+                    "apptainer sandboxes started by root are not contained (container root is host root, even "
+                    "with --userns): use this backend as an ordinary user, or the node daemon (`rolloutd node "
+                    "start`, which runs its sandboxes as the unprivileged sandbox_user); for trusted code only, "
+                    "ApptainerBackend(..., uncontained_root_ok=True)")
+            log.warning("apptainer sandboxes started by root hold host root's privileges (uncontained_root_ok)")
+        super().__init__(state_dir)
         self.start_timeout_s = start_timeout_s
         self.config_dir = state_dir / "apptainer"
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

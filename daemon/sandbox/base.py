@@ -14,6 +14,7 @@ created and destroyed.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import os
 from collections import Counter
@@ -24,6 +25,8 @@ from typing import Literal
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.procfs import CENSUSES, ProcInfo, live_processes
 from rolloutd.native_io.spawn import DEVNULL, spawn
+
+from .cgroups import SANDBOX_PREFIX, MemoryCgroups, SandboxCgroup
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,15 @@ class SandboxLimits:
     max_processes: int = 512
     """Processes a sandbox may run at once; beyond it, forks fail (unprivileged, RLIMIT_NPROC)
     and the watchdog destroys the sandbox (every mode)."""
-    max_memory_mb: int | None = 8192
-    """Address-space limit per process inside the sandbox (RLIMIT_AS); None for no limit."""
+    memory_mb: int | None = 8192
+    """Memory of the whole sandbox: its processes and the tmpfs it writes. A memory cgroup holds it
+    where one is writable (see :mod:`.cgroups`); otherwise the watchdog sums resident memory and
+    ``/dev/shm``. Over it, the sandbox is destroyed. None for no cap."""
+    process_memory_mb: int | None = 8192
+    """Address space of each process inside (RLIMIT_AS); None for no limit."""
+    workspace_mb: int | None = 10240
+    """Disk the sandbox's ``/workspace`` (and an ``overlay`` layer) may take; one file at most this
+    (RLIMIT_FSIZE), all files together checked by the watchdog. None for no cap."""
     min_free_disk_mb: int = 256
     """A sandbox does not start while its backend's folder has less free space than this: a
     clear error then, where a full disk would fail every sandbox half-way with ENOSPC."""
@@ -58,8 +68,10 @@ class SandboxLimits:
             raise ConfigError(f"max_processes must be >= 8, got {self.max_processes}")
         if self.min_free_disk_mb < 0:
             raise ConfigError(f"min_free_disk_mb must be >= 0, got {self.min_free_disk_mb}")
-        if self.max_memory_mb is not None and self.max_memory_mb < 64:
-            raise ConfigError(f"max_memory_mb must be >= 64 or None, got {self.max_memory_mb}")
+        for name in ("memory_mb", "process_memory_mb", "workspace_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 16:
+                raise ConfigError(f"{name} must be >= 16 (MiB) or None for no cap, got {value}")
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,9 @@ class Sandbox(abc.ABC):
     backend_name: str = ""
     isolated: bool = True
 
-    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, shared_dir: Path) -> None:
+    def __init__(self, sandbox_id: str, spec: SandboxSpec, lease_dir: Path, shared_dir: Path,
+                 cgroups: MemoryCgroups | None = None) -> None:
+        """``cgroups``: where its memory cgroup goes (its backend's; None: no cgroup)."""
         self.id = sandbox_id
         self.spec = spec
         self.lease_dir = lease_dir
@@ -103,6 +117,9 @@ class Sandbox(abc.ABC):
         """How the last stop ended (``sigterm``/``sigkill``/``exited``), for tests and logs."""
         self.session_ids: set[int] = set()
         """Sessions of the shells and kernels started here (the watchdog and stop use them)."""
+        self._cgroups = cgroups
+        self.cgroup: SandboxCgroup | None = None
+        """Its memory cgroup while it runs, where the backend has one (see :mod:`.cgroups`)."""
         self.background = False
         """Started ahead of need by the warm pool: its start-up runs at a lower CPU priority so it
         does not slow the rollouts in progress (set before ``start``)."""
@@ -141,9 +158,19 @@ class Sandbox(abc.ABC):
     def python(self) -> str:
         """The python interpreter to start kernels with, as seen inside."""
 
-    def prepare_folders(self) -> None:
+    def prepare_host(self) -> None:
+        """The lease folders, and the memory cgroup that holds ``memory_mb`` where there is one."""
         for d in (self.lease_dir, self.run_dir, self.workspace):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self._cgroups is not None and self.spec.limits.memory_mb is not None:
+            self.cgroup = self._cgroups.create(f"{SANDBOX_PREFIX}{self.id}", self.spec.limits.memory_mb)
+
+    async def remove_cgroup(self) -> None:
+        """Remove the memory cgroup, once nothing runs in it: after the sandbox is stopped and its
+        sessions are closed (a shell respawned after a stop lands in it too)."""
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
+            self.cgroup = None
 
     async def remove_folders(self) -> None:
         # rm(1) in a child: shutil.rmtree in a worker thread takes the GIL back between its
@@ -162,9 +189,22 @@ class Sandbox(abc.ABC):
     async def stop(self) -> None:
         """Destroy the sandbox and everything running in it; never raises."""
 
-    @abc.abstractmethod
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
-        """The host command line that runs ``argv`` inside the sandbox."""
+        """The host command line that runs ``argv`` inside the sandbox (and its memory cgroup)."""
+        inside = self._exec_argv(argv, cwd=cwd, env=env)
+        return inside if self.cgroup is None else self.cgroup.join_argv(inside)
+
+    @abc.abstractmethod
+    def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
+        """What :meth:`exec_argv` runs, before it is put in the cgroup."""
+
+    def shm_bytes(self) -> int:
+        """Bytes the sandbox's own ``/dev/shm`` holds (0 where it has none of its own)."""
+        return 0
+
+    def disk_folders(self) -> list[Path]:
+        """Host folders whose files count towards ``workspace_mb``."""
+        return [self.workspace]
 
     def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
         """Host PIDs of every process running in the sandbox, from ``procs`` (one /proc scan
@@ -172,9 +212,13 @@ class Sandbox(abc.ABC):
         its session unless it calls setsid, so sessions find fork bombs without cgroups."""
         return [p.pid for p in (procs if procs is not None else live_processes()) if p.session in self.session_ids]
 
+    def census_keys(self) -> set[int]:
+        """What its processes are counted by in its backend's :meth:`SandboxBackend.census`."""
+        return self.session_ids
+
     def process_count(self, census: Counter[int]) -> int:
         """Processes of this sandbox in its backend's :meth:`SandboxBackend.census`."""
-        return sum(census[s] for s in self.session_ids)
+        return sum(census[k] for k in self.census_keys())
 
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.
@@ -190,8 +234,10 @@ class Sandbox(abc.ABC):
         if os.getuid() != 0:
             allowed = lim.max_processes + NPROC_SLACK
             parts.append(f"ulimit -u $(( $(ps -U $(id -u) -o pid= 2>/dev/null | wc -l) + {allowed} )) 2>/dev/null")
-        if lim.max_memory_mb is not None:
-            parts.append(f"ulimit -v {lim.max_memory_mb * 1024} 2>/dev/null")
+        if lim.process_memory_mb is not None:
+            parts.append(f"ulimit -v {lim.process_memory_mb * 1024} 2>/dev/null")
+        if lim.workspace_mb is not None:
+            parts.append(f"ulimit -f {lim.workspace_mb * 1024} 2>/dev/null")  # in KiB, as -v
         # Make the kernel's OOM killer pick sandbox processes before the daemon.
         parts.append("echo 1000 > /proc/self/oom_score_adj 2>/dev/null")
         return "; ".join(parts)
@@ -209,6 +255,8 @@ class SandboxBackend(abc.ABC):
         once on the host, such as task templates, each sandbox copies in with its own processes,
         so the daemon spends no CPU per file."""
         self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.cgroups = MemoryCgroups.discover()
+        """Where sandboxes get a memory cgroup each; None: the watchdog reads /proc instead."""
 
     def census(self) -> Counter[int]:
         """One pass over /proc that the watchdog hands to every sandbox's ``process_count``."""

@@ -43,7 +43,7 @@ class LocalSandbox(Sandbox):
         return sys.executable
 
     async def start(self) -> None:
-        self.prepare_folders()
+        self.prepare_host()
 
     async def stop(self) -> None:
         # Without a PID namespace to tear down, killing is a race with whatever still forks: a
@@ -67,7 +67,7 @@ class LocalSandbox(Sandbox):
         self.stop_rung = "sigkill" if killed else "exited"
         await self.remove_folders()
 
-    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
+    def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
         # The daemon's own interpreter first on PATH: `python3` in a local sandbox is the one with
         # the daemon's packages (pytest, ipykernel), as in the default image.
         path = f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '/usr/bin:/bin')}"
@@ -94,4 +94,4 @@ class LocalBackend(SandboxBackend):
             )
             _WARNED = True
         sid = uuid.uuid4().hex[:10]
-        return LocalSandbox(sid, spec, self.state_dir / sid, self.shared_dir)
+        return LocalSandbox(sid, spec, self.state_dir / sid, self.shared_dir, self.cgroups)

@@ -8,8 +8,8 @@ and most agents use the shell and the editor far more than IPython, or not at al
 Every lease gets a fresh sandbox: on release the sandbox is destroyed in the background and a
 new one is started, so a lease never sees the files or processes of the previous one (an
 overlay mounted in a live instance cannot be reset safely in place).
-A watchdog destroys any sandbox whose process count passes its limit (fork bombs), which also
-covers root, where the kernel ignores RLIMIT_NPROC.
+A watchdog destroys any sandbox over one of its caps (processes, memory, workspace disk: see
+:mod:`.caps`), which also covers root, where the kernel ignores RLIMIT_NPROC.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rolloutd.native_io.errors import SandboxLimit, SandboxLost, SandboxStartError, SessionError
@@ -30,6 +31,7 @@ from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellCo
 
 from ..sessions.ipython import ExecuteResult, KernelSession
 from .base import Sandbox, SandboxBackend, SandboxSpec
+from .caps import find_breaches
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ PROBE_TIMEOUT_S = 2.0
 """A returned sandbox's shell must answer ``:`` this fast to be leased again."""
 
 T = TypeVar("T")
+
+DISK_CHECK_INTERVAL_S = 5.0
+OOM_NOTICE_S = 5.0
+"""How long a call whose shell the OOM killer ended waits for the watchdog to name the cap."""
 
 
 @dataclass
@@ -57,6 +63,8 @@ class Lease:
     lost_reason: str | None = None
     lost_limit: str | None = None
     """The cap (e.g. ``max_processes``) a sandbox lost to the watchdog went over."""
+    marked_lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set with ``lost_reason``."""
     sandbox_stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     """Set once the sandbox is stopped: nothing it ran is alive. ``lost_reason`` comes first (new
     commands are refused at once); the stop of a lost lease follows in the background."""
@@ -116,6 +124,12 @@ class Lease:
         try:
             result = await call
         except SessionError:
+            cgroup = self.sandbox.cgroup
+            if not self.lost_reason and cgroup is not None and cgroup.oom_kills():
+                # Over its memory cap, the OOM killer may pick the shell itself (its processes are
+                # the first choice): the watchdog names the cap within a round; wait for that.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.marked_lost.wait(), OOM_NOTICE_S)
             self._check()
             raise
         self._check()
@@ -133,12 +147,17 @@ class Lease:
         await self.shell.close()
         if self.kernel is not None:
             await self.kernel.close()
+        await self.sandbox.remove_cgroup()
 
 
 async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
     """Start ``sandbox`` and its shell, and its kernel too with ``start_kernel`` (when its spec
     offers IPython; otherwise the first cell starts it). On any failure nothing is left running."""
-    await sandbox.start()
+    try:
+        await sandbox.start()
+    except BaseException:
+        await sandbox.remove_cgroup()
+        raise
     spec = sandbox.spec
     shell = PtySession(
         PtyShellConfig(
@@ -178,15 +197,18 @@ class WarmPool:
         max_age_s: float = 3600.0,
         start_concurrency: int = 2,
         watchdog_interval_s: float = CENSUS_INTERVAL_S,
+        disk_check_interval_s: float = DISK_CHECK_INTERVAL_S,
         start_kernels: bool = False,
     ) -> None:
         """``start_kernels``: sandboxes whose spec offers IPython start their kernel before they
-        are leased (see the module's note)."""
+        are leased (see the module's note). ``disk_check_interval_s``: how often the watchdog
+        walks the workspaces for ``workspace_mb`` (a walk costs a stat per file)."""
         self.backend = backend
         self.start_kernels = start_kernels
         self.warm_specs = {self._key(s): n for s, n in (warm_specs or {}).items()}
         self.max_age_s = max_age_s
         self.watchdog_interval_s = watchdog_interval_s
+        self.disk_check_interval_s = disk_check_interval_s
         self._ready: dict[SandboxSpec, deque[Lease]] = {s: deque() for s in self.warm_specs}
         self._starting: dict[SandboxSpec, int] = {s: 0 for s in self.warm_specs}
         self._leased: dict[str, Lease] = {}
@@ -298,7 +320,11 @@ class WarmPool:
 
     async def _start_one(self, spec: SandboxSpec, *, background: bool = False) -> Lease:
         async with self._start_slots:
-            self._check_free_space(spec.limits.min_free_disk_mb)
+            try:
+                check_free_space(self.backend.state_dir, spec.limits.min_free_disk_mb)
+            except SandboxStartError:
+                self.counters["start_failures"] += 1
+                raise
             sandbox = self.backend.create(spec)
             sandbox.background = background
             try:
@@ -357,39 +383,35 @@ class WarmPool:
         self.counters["destroyed"] += 1
 
     async def _watchdog_loop(self) -> None:
+        next_disk_check = time.monotonic() + self.disk_check_interval_s
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
+            leases = [l for l in (*self._leased.values(), *(l for q in self._ready.values() for l in q))
+                      if not l.lost_reason]
             if not leases:
                 continue
             census = self._fresh_census()
             if census is None:
                 self.counters["own_censuses"] += 1
                 census = await asyncio.to_thread(self.backend.census)
+            check_disk = time.monotonic() >= next_disk_check
+            if check_disk:
+                next_disk_check = time.monotonic() + self.disk_check_interval_s
+            breaches = await asyncio.to_thread(find_breaches, [l.sandbox for l in leases], census,
+                                               self.backend.census_kind, check_disk=check_disk)
             for lease in leases:
-                limit = lease.sandbox.spec.limits.max_processes
-                count = lease.sandbox.process_count(census)
-                if count > limit and not lease.lost_reason:
-                    lease.lost_limit = "max_processes"
-                    lease.lost_reason = (
-                        f"it ran {count} processes, over its limit of {limit} (max_processes), "
-                        "and was destroyed"
-                    )
-                    log.warning("sandbox %s: %s", lease.id, lease.lost_reason)
-                    self.counters["watchdog_kills"] += 1
-                    for queue in self._ready.values():
-                        with contextlib.suppress(ValueError):
-                            queue.remove(lease)
-                    await lease.stop_sandbox()
-
-    def _check_free_space(self, needed_mb: int) -> None:
-        st = os.statvfs(self.backend.state_dir)
-        free_mb = st.f_bavail * st.f_frsize // 2**20
-        if free_mb < needed_mb:
-            self.counters["start_failures"] += 1
-            raise SandboxStartError(
-                f"no sandbox started: {self.backend.state_dir} has {free_mb} MiB free, under min_free_disk_mb="
-                f"{needed_mb}; free space there (old workspaces, logs) or move the run folder")
+                breach = breaches.get(lease.id)
+                if breach is None:
+                    continue
+                lease.lost_limit = breach.cap
+                lease.lost_reason = f"{breach.reason}, and was destroyed"
+                lease.marked_lost.set()
+                log.warning("sandbox %s: %s", lease.id, lease.lost_reason)
+                self.counters["watchdog_kills"] += 1
+                for queue in self._ready.values():
+                    with contextlib.suppress(ValueError):
+                        queue.remove(lease)
+                await lease.stop_sandbox()
 
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
@@ -408,5 +430,16 @@ class WarmPool:
             "ready": sum(len(q) for q in self._ready.values()),
             "starting": sum(self._starting.values()),
             "leased": len(self._leased),
+            "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
             **self.counters,
         }
+
+
+def check_free_space(folder: Path, needed_mb: int) -> None:
+    """SANDBOX_START naming the folder when its disk has less than ``needed_mb`` free."""
+    st = os.statvfs(folder)
+    free_mb = st.f_bavail * st.f_frsize // 2**20
+    if free_mb < needed_mb:
+        raise SandboxStartError(
+            f"no sandbox started: {folder} has {free_mb} MiB free, under min_free_disk_mb="
+            f"{needed_mb}; free space there (old workspaces, logs) or move the run folder")

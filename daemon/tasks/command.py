@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutd.native_io.errors import CommandTimeout, TaskError
+from rolloutd.native_io.errors import TaskError
 from rolloutd.native_io.output import tail
 
 from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
@@ -42,10 +42,8 @@ class CommandTaskType(TaskType):
         return workdir
 
     async def evaluate(self, task: Task, lease: "Lease", workdir: str, *, timeout_s: float) -> EvalResult:
-        try:
-            r = await lease.run(f"cd {shlex.quote(workdir)}\n{task.record['eval_script']}", timeout_s=timeout_s)
-        except CommandTimeout:
-            return EvalResult(0.0, {"error": f"eval_script exceeded {timeout_s} s (eval_timeout_s)"})
+        # A CommandTimeout goes up: the sample ends as ``eval_timeout``, never a reward of 0.
+        r = await lease.run(f"cd {shlex.quote(workdir)}\n{task.record['eval_script']}", timeout_s=timeout_s)
         lines = r.output.strip().splitlines()
         try:
             reward = float(lines[-1]) if lines else float("nan")

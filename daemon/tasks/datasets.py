@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,13 @@ def _bundled_records() -> dict[str, dict[str, Any]]:
     return records
 
 
-@functools.cache
-def _jsonl_records(path: str) -> dict[str, dict[str, Any]]:
-    records = {}
+@functools.lru_cache(maxsize=64)
+def _jsonl_records(path: str, identity: tuple[int, int, int]) -> dict[str, dict[str, Any]]:
+    """The records of one version of the file (``identity``: inode, size, mtime), so an edited
+    dataset is read again. Two records with one instance id are an error: which one a request
+    meant cannot be known, and keeping either would train on the other's task."""
+    records: dict[str, dict[str, Any]] = {}
+    lines: dict[str, int] = {}
     try:
         with open(path) as f:
             for n, line in enumerate(f, 1):
@@ -48,10 +53,24 @@ def _jsonl_records(path: str) -> dict[str, dict[str, Any]]:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise TaskError(f"{path}:{n}: not valid JSON: {e}") from e
-                    records[str(rec.get("instance_id"))] = rec
+                    if not isinstance(rec, dict) or not isinstance(rec.get("instance_id"), str):
+                        raise TaskError(f"{path}:{n}: a record must be a JSON object with a string instance_id")
+                    key = rec["instance_id"]
+                    if key in lines:
+                        raise TaskError(f"{path}:{n}: instance_id {key!r} is already the record of line "
+                                        f"{lines[key]}; give each record its own instance_id")
+                    records[key], lines[key] = rec, n
     except OSError as e:
         raise TaskError(f"cannot read dataset {path}: {e}") from e
     return records
+
+
+def _file_identity(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise TaskError(f"cannot read dataset {path}: {e}") from e
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def dataset_records(dataset: str) -> dict[str, dict[str, Any]]:
@@ -59,7 +78,7 @@ def dataset_records(dataset: str) -> dict[str, dict[str, Any]]:
         return _bundled_records()
     if not dataset.endswith(".jsonl") or not Path(dataset).is_absolute():
         raise TaskError(f"dataset {dataset!r}: use 'bundled' or an absolute path to a .jsonl file on the node")
-    return _jsonl_records(dataset)
+    return _jsonl_records(dataset, _file_identity(dataset))
 
 
 def resolve_task(dataset: str, instance_id: str, inline: dict[str, Any] | None) -> Task:

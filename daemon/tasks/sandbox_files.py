@@ -25,7 +25,7 @@ IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 COPY_TIMEOUT_S = 300.0
 """A task's repository copied by the sandbox's shell."""
 WRITE_TIMEOUT_S = 60.0
-"""One file written through the sandbox's shell (base64 through the PTY)."""
+"""One file written or read through the sandbox's shell (base64 through the PTY)."""
 
 
 def host_path(lease: "Lease", inside: str) -> Path | None:
@@ -73,3 +73,31 @@ async def write_file(lease: "Lease", inside: str, data: bytes) -> None:
                         timeout_s=WRITE_TIMEOUT_S)
     if r.exit_code != 0:
         raise SandboxError(f"cannot write {inside} in sandbox {lease.id}: {tail(r.output)}")
+
+
+async def read_file(lease: "Lease", inside: str, *, max_bytes: int) -> bytes | None:
+    """The bytes of ``inside``, or None when there is no such file; more than ``max_bytes`` is an
+    error (the file may come from code the agent wrote)."""
+    target = host_path(lease, inside)
+    if target is not None:
+        def read() -> bytes | None:
+            try:
+                with open(target, "rb") as f:
+                    data = f.read(max_bytes + 1)
+            except FileNotFoundError:
+                return None
+            return data
+
+        data = await asyncio.to_thread(read)
+    else:
+        quoted = shlex.quote(inside)
+        r = await lease.run(f"test -f {quoted} || exit 3; head -c {max_bytes + 1} {quoted} | base64 -w0",
+                            timeout_s=WRITE_TIMEOUT_S)
+        if r.exit_code == 3:
+            return None
+        if r.exit_code != 0:
+            raise SandboxError(f"cannot read {inside} in sandbox {lease.id}: {tail(r.output)}")
+        data = base64.b64decode(r.output.strip())
+    if data is not None and len(data) > max_bytes:
+        raise SandboxError(f"{inside} in sandbox {lease.id} is over {max_bytes} bytes")
+    return data

@@ -10,13 +10,20 @@ Record fields (JSONL, one task per line):
   over the repository, and/or ``test_patch`` (a unified diff applied with ``git apply``);
 - optional ``image`` (default ``default``) and ``test_command`` (default ``python3 -m pytest``).
 
-Evaluation runs the listed tests in the sandbox the agent worked in: reward 1 when every
-FAIL_TO_PASS test now passes and every PASS_TO_PASS test still passes, else 0.
+Evaluation runs the test files of the listed tests in the sandbox the agent worked in, with a
+small pytest plugin (:mod:`pytest_report`) that writes each test's outcome under its node id:
+reward 1 when every FAIL_TO_PASS test now passes and every PASS_TO_PASS test still passes, else 0.
+Ids are matched exactly (spaces, brackets, nested ``::``), with non-ASCII characters compared in
+pytest's escaped form (``test_x[é]`` and ``test_x[\\xe9]`` are one test). Tests that outlive
+``eval_timeout_s`` raise (the sample ends ``eval_timeout``, no score); a run that writes no report
+is the task's error (its ``test_command`` must be pytest), never a reward of 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import re
 import shlex
 import shutil
@@ -24,22 +31,27 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutd.native_io.errors import CommandTimeout, TaskError
+from rolloutd.native_io.errors import TaskError
 from rolloutd.native_io.output import tail
 
 from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
-from .sandbox_files import IGNORED, copy_tree_in, write_file
+from .sandbox_files import IGNORED, copy_tree_in, read_file, write_file
 
 if TYPE_CHECKING:
     from ..sandbox.pool import Lease
 
-_RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 REPO_FOLDER = "repo"
 GIT_CHECKOUT_TIMEOUT_S = 300.0
 """A checkout of ``base_commit`` in a large repository, with ``git clean``."""
 GIT_APPLY_TIMEOUT_S = 60.0
 GIT_DIFF_TIMEOUT_S = 60.0
 """The agent's change as a patch (``git add -A && git diff``), before the evaluation."""
+IGNORED_PARTS = frozenset({"__pycache__", ".pytest_cache"})
+"""Folders the template copy leaves out (``sandbox_files.IGNORED``), so they do not change its key."""
+REPORT_PLUGIN = Path(__file__).with_name("pytest_report.py")
+PLUGIN_MODULE = "rolloutd_pytest_report"
+"""Its module name in the sandbox: one no project has (the test run's folder comes first on sys.path)."""
+REPORT_MAX_BYTES = 64 << 20
 
 
 class SweTaskType(TaskType):
@@ -47,6 +59,34 @@ class SweTaskType(TaskType):
 
     def __init__(self) -> None:
         self._template_locks: dict[str, asyncio.Lock] = {}
+        self._tree_hashes: dict[tuple[str, tuple[tuple[str, int, int, int], ...]], str] = {}
+        """(repo_dir, its files' path, size, mtime, mode) -> content hash: a folder is read again
+        only when a file in it changed."""
+
+    def _content_key(self, record: dict[str, Any]) -> str:
+        """A hash of what defines the task's repository: its files or repo_dir contents, base
+        commit and set-up fields."""
+        defining = {k: record.get(k) for k in ("files", "base_commit", "setup_script", "workdir")}
+        if "repo_dir" in record:
+            defining["repo_dir"] = self._tree_hash(Path(record["repo_dir"]))
+        blob = json.dumps(defining, sort_keys=True, ensure_ascii=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+    def _tree_hash(self, root: Path) -> str:
+        paths = sorted(p for p in root.rglob("*") if p.is_file() and not IGNORED_PARTS.intersection(p.parts)
+                       and p.suffix != ".pyc")
+        stats = tuple((p.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, st.st_mode)
+                      for p in paths for st in (p.lstat(),))
+        cached = self._tree_hashes.get((str(root), stats))
+        if cached is None:
+            digest = hashlib.sha256()
+            for p, (rel, _, _, mode) in zip(paths, stats):
+                digest.update(f"{rel}\0{mode}\0".encode())
+                digest.update(hashlib.sha256(p.read_bytes()).digest())
+            if len(self._tree_hashes) > 1000:  # folders edited again and again: forget the old versions
+                self._tree_hashes.clear()
+            cached = self._tree_hashes[(str(root), stats)] = digest.hexdigest()
+        return cached
 
     def parse(self, record: dict[str, Any]) -> Task:
         iid = require(record, "instance_id", str)
@@ -73,8 +113,11 @@ class SweTaskType(TaskType):
 
     async def _template(self, task: Task, cache_dir: Path) -> Path:
         """The repository prepared once per task on the host (a git repo with one commit), shared by
-        the task's samples: each sample copies it instead of rebuilding it."""
-        folder = cache_dir / "swe" / task.instance_id / REPO_FOLDER
+        the task's samples: each sample copies it instead of rebuilding it. Its folder is named by
+        a hash of everything the template is made of, not by the instance id alone: two records
+        with one id (another dataset, an edited task file, an inline task) never share one."""
+        key = await asyncio.to_thread(self._content_key, task.record)
+        folder = cache_dir / "swe" / f"{task.instance_id}-{key}" / REPO_FOLDER
         async with self._template_locks.setdefault(str(folder), asyncio.Lock()):
             if not folder.exists():
                 staging = folder.with_name(REPO_FOLDER + ".partial")
@@ -126,20 +169,41 @@ class SweTaskType(TaskType):
             if r.exit_code != 0:
                 return EvalResult(0.0, {"error": f"test patch does not apply: {tail(r.output)}"})
         f2p, p2p = rec["FAIL_TO_PASS"], rec.get("PASS_TO_PASS", [])
-        tests = " ".join(shlex.quote(t) for t in [*f2p, *p2p])
+        # Whole files, not ids: pytest splits an argument at every "::", inside brackets too.
+        files = " ".join(shlex.quote(f) for f in sorted({t.split("::", 1)[0] for t in [*f2p, *p2p]}))
         command = rec.get("test_command", "python3 -m pytest")
-        try:
-            r = await lease.run(
-                f"cd {shlex.quote(workdir)} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONDONTWRITEBYTECODE=1 "
-                f"{command} -rA -q -p no:cacheprovider {tests}", timeout_s=timeout_s)
-        except CommandTimeout:
-            return EvalResult(0.0, {"error": f"tests exceeded {timeout_s} s (eval_timeout_s)"})
-        outcomes = {m.group(2): m.group(1) for m in _RESULT_LINE.finditer(r.output)}
-        failed_f2p = [t for t in f2p if outcomes.get(t) != "PASSED"]
-        failed_p2p = [t for t in p2p if outcomes.get(t) != "PASSED"]
+        folder = f"{lease.sandbox.workspace_inside}/.rolloutd-eval"
+        report = f"{folder}/report.json"
+        await write_file(lease, f"{folder}/{PLUGIN_MODULE}.py", REPORT_PLUGIN.read_bytes())
+        # A CommandTimeout goes up: the sample ends as ``eval_timeout``, never a reward of 0.
+        r = await lease.run(
+            f"rm -f {shlex.quote(report)} && cd {shlex.quote(workdir)} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "
+            f"PYTHONDONTWRITEBYTECODE=1 ROLLOUTD_PYTEST_REPORT={shlex.quote(report)} "
+            f"PYTHONPATH={shlex.quote(folder)}${{PYTHONPATH:+:$PYTHONPATH}} "
+            f"{command} -p {PLUGIN_MODULE} -q -p no:cacheprovider {files}", timeout_s=timeout_s)
+        outcomes = _outcomes(await read_file(lease, report, max_bytes=REPORT_MAX_BYTES), task, r.output)
+        failed_f2p = [t for t in f2p if outcomes.get(_canonical(t)) != "passed"]
+        failed_p2p = [t for t in p2p if outcomes.get(_canonical(t)) != "passed"]
         reward = 1.0 if not failed_f2p and not failed_p2p else 0.0
         return EvalResult(reward, {"failed_fail_to_pass": failed_f2p, "failed_pass_to_pass": failed_p2p,
                                    "test_exit_code": r.exit_code})
+
+
+def _canonical(node_id: str) -> str:
+    """A node id with non-ASCII characters escaped as pytest escapes parameter ids."""
+    return node_id.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def _outcomes(raw: bytes | None, task: Task, output: str) -> dict[str, str]:
+    """Canonical node id -> outcome, from the plugin's report."""
+    if raw is None:
+        raise TaskError(f"task {task.instance_id}: its test command wrote no report (it must be pytest, which "
+                        f"gets -p {PLUGIN_MODULE}); its output ends: {tail(output)}")
+    try:
+        outcomes = json.loads(raw)["outcomes"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TaskError(f"task {task.instance_id}: the test report is not the plugin's JSON: {e}") from e
+    return {_canonical(str(k)): str(v) for k, v in outcomes.items()}
 
 
 def _build_template(record: dict[str, Any], folder: Path) -> None:

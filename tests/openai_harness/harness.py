@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import openai
+from harness_io import run_bash, write_output
 
 try:  # the SDK's HTTP client: httpx in 1.x/2.x, httpx2 in later releases
     import httpx2 as httpx
@@ -114,14 +114,10 @@ def main() -> int:
             break
         for call in message["tool_calls"]:
             command = json.loads(call["function"]["arguments"])["command"]
-            run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
-            output = (run.stdout + run.stderr).strip()
+            output = run_bash(command)
             seen["tool_outputs"].append(output)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
-    seen["messages"] = messages
-    with open(args.out, "w") as f:
-        json.dump(seen, f)
-    return 0
+    return write_output(args.out, seen, messages)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""What the watchdog checks each round: which sandboxes went over a cap, and which cap.
+
+- ``max_processes``: the census of processes per sandbox (forks past it also fail: RLIMIT_NPROC).
+- ``memory_mb``: with a memory cgroup (:mod:`.cgroups`) the kernel holds the sandbox to it and
+  kills what goes over; the check reads that kill from the cgroup. Without one, the resident
+  memory of the sandbox's processes plus what its private ``/dev/shm`` holds, read from /proc:
+  after the fact (once a round), so the per-process RLIMIT_AS (``process_memory_mb``) bounds the
+  overshoot in between.
+- ``workspace_mb``: the disk its ``/workspace`` (and an ``overlay`` writable layer) holds, walked
+  every ``disk_check_interval_s``; RLIMIT_FSIZE (one file at most ``workspace_mb``) bounds the
+  overshoot in between, since no quota an unprivileged process may set exists for a host folder.
+
+Everything here reads files: it runs in a thread, never on the loop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolloutd.native_io.procfs import rss_census
+
+from .base import Sandbox
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Breach:
+    cap: str
+    """The ``SandboxLimits`` field that was passed."""
+    reason: str
+
+
+def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: str, *,
+                  check_disk: bool) -> dict[str, Breach]:
+    """The sandboxes over a cap, by id (one census, and one /proc pass for the memory of those with
+    no cgroup, for them all). ``census_kind``: what ``census`` counts by (``procfs.CENSUSES``)."""
+    found: dict[str, Breach] = {}
+    uncapped = [sb for sb in sandboxes if sb.cgroup is None and sb.spec.limits.memory_mb is not None]
+    rss = rss_census(census_kind, set().union(*(sb.census_keys() for sb in uncapped))) if uncapped else Counter()
+    for sb in sandboxes:
+        lim = sb.spec.limits
+        count = sb.process_count(census)
+        if count > lim.max_processes:
+            found[sb.id] = Breach("max_processes", f"it ran {count} processes, over its limit of "
+                                                   f"{lim.max_processes} (max_processes)")
+            continue
+        if lim.memory_mb is not None:
+            if sb.cgroup is not None:
+                if kills := sb.cgroup.oom_kills():
+                    found[sb.id] = Breach("memory_mb", f"the kernel killed {kills} of its processes for going over "
+                                                       f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
+                    continue
+            else:
+                used = sum(rss[k] for k in sb.census_keys()) + sb.shm_bytes()
+                if used > lim.memory_mb * MiB:
+                    found[sb.id] = Breach("memory_mb", f"its processes and /dev/shm held {used // MiB} MiB, over "
+                                                       f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
+                    continue
+        if check_disk and lim.workspace_mb is not None:
+            used = sum(disk_usage(p) for p in sb.disk_folders())
+            if used > lim.workspace_mb * MiB:
+                found[sb.id] = Breach("workspace_mb", f"its files took {used // MiB} MiB of disk, over its cap of "
+                                                      f"{lim.workspace_mb} MiB (workspace_mb)")
+    return found
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of disk the files under ``path`` take (links not followed; unreadable folders skipped)."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except OSError:
+            continue
+    return total
