@@ -18,15 +18,18 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import psutil
 import pytest
 import uvloop
 
 from daemon_fixtures import node_daemon
-from support.waits import async_poll
+from support.waits import async_poll, async_wait_until
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.mapping import DataSources
 from rolloutd.daemon.gateway.server import serve_gateway
 from rolloutd.daemon.gateway.service import GatewayConfig
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.tasks.datasets import oracle_plans
 from test_rollout_daemon import API_KEY, policy
@@ -218,10 +221,12 @@ async def test_cancel_and_stop_end_pending_jobs(stack: tuple[str, str]) -> None:
         await http("POST", "/start")
         job = asyncio.ensure_future(http("POST", "/process", {"instance": SLOW, "sampling_params": {}, "job_id": "c1"}))
         await _wait_pending(http, "c1")
-        # Cancel it in its run stage (where the agent's `sleep 30` runs), as the node reports it.
-        await async_poll(gw.client.status, lambda st: any(
-            w.get("pipeline", {}).get("stages", {}).get("run", {}).get("in_use") for w in st["workers"]),
-            GATEWAY_WAIT_S, "the job in the node's run stage")
+        # Cancel it in its run stage: once the agent's `sleep 30` runs in one of the node's sandboxes.
+        sandboxes = str(workers_dir(NodeConfig(run_dir=str(Path(address.removeprefix("ipc://")).parent))))
+        await async_wait_until(lambda: any(
+            p.info["cmdline"] == ["sleep", "30"] and (p.info["cwd"] or "").startswith(sandboxes)
+            for p in psutil.process_iter(["cmdline", "cwd"])), GATEWAY_WAIT_S, "the agent's command running",
+            poll_s=0.05)
         assert (await http("POST", "/cancel", {"job_id": "no-such-job"}))[1]["pending"] is False
         status, ack = await http("POST", "/cancel", {"job_id": "c1"})
         assert status == 200 and ack["pending"] is True

@@ -101,7 +101,7 @@ def test_caps_hold_for_the_sandboxes_of_a_root_daemon(short_tmp: Path) -> None:
 def test_a_root_daemons_memory_cgroups_are_removed_even_after_a_kill(short_tmp: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("only a root daemon makes a memory cgroup for its workers")
-    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1") as address:
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1", stop_rung=None) as address:
         with RolloutClient(address) as client:
             deadline = time.monotonic() + 60  # named: until the warm sandbox is up, in its own cgroup
             while client.status()["sandboxes"]["ready"] < 1:
