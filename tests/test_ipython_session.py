@@ -60,6 +60,20 @@ async def test_execute_stdout_stderr_result(lease: Lease) -> None:
     assert (r.status, r.stdout, r.stderr, r.result) == ("ok", "out\n", "err\n", "42")
 
 
+async def test_every_cells_output_arrives_with_it(lease: Lease) -> None:
+    """The launcher skips the kernel's end-of-cell flushes when nothing is pending: output written
+    by the cell, by a thread it started and without a newline still comes with its own cell, and
+    a silent cell after a loud one gets none of it."""
+    await lease.ipython("import sys, threading")
+    for i in range(30):
+        code = (f"print({i}); sys.stderr.write('e{i}')" if i % 3 == 0 else
+                f"t = threading.Thread(target=lambda: sys.stdout.write('t{i}')); t.start(); t.join()" if i % 3 == 1
+                else "x = 1")
+        r = await lease.ipython(code)
+        expected = ((f"{i}\n", f"e{i}") if i % 3 == 0 else (f"t{i}", "") if i % 3 == 1 else ("", ""))
+        assert (r.stdout, r.stderr) == expected, (i, r)
+
+
 async def test_state_persists_between_cells(lease: Lease) -> None:
     await lease.ipython("counter = [1, 2]")
     assert (await lease.ipython("counter.append(3); len(counter)")).result == "3"

@@ -23,6 +23,7 @@ from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 from rolloutd.native_io.wire import ExecuteResult
 
 from .content_text import check_mode
+from .toolcalls import check_tool_names
 
 TEMPLATE_CHECKS = ("every_turn", "final", "off")
 AGENT_FINISH_REASONS = frozenset({"completed", "max_turns", "max_tokens", "context_length", "timeout", "cancelled",
@@ -93,6 +94,9 @@ class AgentConfig:
     """Longer tool output is cut to its head and tail with a marker line between."""
     system_prompt: str | None = None
     """Replaces the built-in system prompt (the tools are still described by the template)."""
+    tools: list[str] | None = None
+    """The tools offered (names of the built-in ones; ``submit`` must be among them); None: all.
+    A small policy learns faster on a short prompt: the schemas are most of it."""
     template_check: str = "final"
     """``every_turn``: re-render the conversation after each turn and check the template is
     append-only (costs a full render per turn); ``final``: check once at the end; ``off``."""
@@ -115,6 +119,8 @@ class AgentConfig:
             raise ConfigError(f"agent config command_timeout_s must be a number > 0, got {self.command_timeout_s!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError(f"agent config system_prompt must be a string or None, got {self.system_prompt!r}")
+        if self.tools is not None:
+            check_tool_names(self.tools)
         if self.template_check not in TEMPLATE_CHECKS:
             raise ConfigError(f"agent config template_check must be one of {TEMPLATE_CHECKS}, "
                               f"got {self.template_check!r}")

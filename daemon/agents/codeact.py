@@ -80,7 +80,7 @@ class CodeActAgent(Agent):
         cpu = CpuMeter()
         with cpu:
             toolbox = ToolBox(ctx, command_timeout_s=cfg.command_timeout_s,
-                              observation_max_chars=cfg.observation_max_chars)
+                              observation_max_chars=cfg.observation_max_chars, tools=cfg.tools)
             base = [{"role": "system", "content": cfg.system_prompt or SYSTEM_PROMPT},
                     {"role": "user", "content": user_prompt(ctx)}]
             content = ContentText(ctx.tokenizer, cfg.content_special_tokens or ctx.content_special_tokens)

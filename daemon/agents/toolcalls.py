@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.native_io.errors import ToolCallError
+from rolloutd.native_io.errors import ConfigError, ToolCallError
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -89,6 +89,18 @@ EDITOR = ToolSpec(
 SUBMIT = ToolSpec("submit", "Finish the task: call this once the fix is in place. Takes no arguments.")
 
 CODEACT_TOOLS: tuple[ToolSpec, ...] = (BASH, IPYTHON, EDITOR, SUBMIT)
+
+
+def check_tool_names(names: object) -> None:
+    """ConfigError unless ``names`` is a list of built-in tool names that includes submit."""
+    known = [s.name for s in CODEACT_TOOLS]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"agent config tools must be a list of tool names ({known}), got {names!r}")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ConfigError(f"agent config tools: unknown tool(s) {unknown}; the built-in tools are {known}")
+    if SUBMIT.name not in names:
+        raise ConfigError("agent config tools must include 'submit' (the only way a trajectory completes)")
 
 
 def _check_type(value: object, schema: Mapping[str, Any]) -> bool:

@@ -93,11 +93,14 @@ def format_timeout(e: CommandTimeout, what: str, elapsed_s: float) -> str:
 class ToolBox:
     """The tools of one trajectory, bound to its context."""
 
-    def __init__(self, ctx: AgentContext, *, command_timeout_s: float, observation_max_chars: int) -> None:
+    def __init__(self, ctx: AgentContext, *, command_timeout_s: float, observation_max_chars: int,
+                 tools: list[str] | None = None) -> None:
+        """``tools``: the names offered (None: all; ipython only where the sandbox has a kernel)."""
         self._ctx = ctx
         self.command_timeout_s = command_timeout_s
         self.observation_max_chars = observation_max_chars
-        self.specs: dict[str, ToolSpec] = {s.name: s for s in CODEACT_TOOLS if s.name != "ipython" or ctx.has_ipython}
+        self.specs: dict[str, ToolSpec] = {s.name: s for s in CODEACT_TOOLS if (s.name != "ipython" or ctx.has_ipython)
+                                           and (tools is None or s.name in tools)}
         self.editor = SandboxEditor(self._run, ctx.workdir)
         self._shell_in_workdir = False
         self._kernel_in_workdir = False

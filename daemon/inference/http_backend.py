@@ -1,11 +1,11 @@
-"""What the vLLM and SGLang HTTP backends share: one keep-alive aiohttp session per server,
-deadlines, aborts on cancel or timeout, and turning every way a server can fail into an error
-that names the server and says what went wrong.
+"""What the vLLM and SGLang HTTP backends share: one keep-alive HTTP/1.1 client per server
+(:mod:`rolloutd.daemon.inference.http1`), deadlines, aborts on cancel or timeout, and turning every
+way a server can fail into an error that names the server and says what went wrong.
 
 How failures map (the pool retries the InferenceError ones on another server):
 - connection refused or reset, HTTP 5xx, 408, 429  -> InferenceError
   (a reused keep-alive connection that the server closed, as after its restart, is first retried
-  once on a fresh connection: that is our stale socket, not the server failing)
+  once on a fresh connection by the client: that is our stale socket, not the server failing)
 - an answer that is not the documented JSON (truncated, missing fields), HTTP 404 -> InferenceProtocolError
 - HTTP 401/403 and other 4xx (the request itself is wrong) -> InferenceRejected
 - no whole answer before the deadline                  -> InferenceTimeout (request aborted on the server)
@@ -21,12 +21,13 @@ import time
 from abc import abstractmethod
 from typing import Any
 from collections.abc import Sequence
+from urllib.parse import urlencode
 
-import aiohttp
 import numpy as np
 
 from rolloutd.daemon.inference.base import InferenceBackend
 from rolloutd.daemon.inference.growing_ids import GrowingIds
+from rolloutd.daemon.inference.http1 import HTTP1Client
 from rolloutd.native_io.errors import (
     ContextLengthExceeded,
     InferenceError,
@@ -40,9 +41,6 @@ logger = logging.getLogger(__name__)
 _RETRYABLE_4XX = frozenset({408, 429})
 # vLLM's words for a prompt past max_model_len (both routes), SGLang's and the reference policy's.
 _CONTEXT_LENGTH = re.compile(r"maximum (?:context|model) length|max_model_len|context length|too long", re.I)
-# What a pooled connection that the server already closed raises on reuse (aiohttp 3.9-3.14),
-# less their subclass ClientConnectorError (a new connection refused): that is the server gone.
-_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class HTTPBackend(InferenceBackend):
@@ -51,25 +49,14 @@ class HTTPBackend(InferenceBackend):
                  max_connections: int = 0) -> None:
         """``max_connections`` 0 means unlimited: every in-flight turn holds one connection."""
         self.address = base_url.rstrip("/")
-        self._headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
-        self._connect_timeout_s = connect_timeout_s
+            headers["Authorization"] = f"Bearer {api_key}"
         self._control_timeout_s = control_timeout_s
         self._health_timeout_s = health_timeout_s
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-        self._calls: dict[aiohttp.ClientSession, int] = {}
-        """Generation calls in flight per session (a retired session closes when it has none)."""
+        self._http = HTTP1Client(self.address, headers=headers, max_connections=max_connections,
+                                 connect_timeout_s=connect_timeout_s)
         self._background: set[asyncio.Task[None]] = set()
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                             keepalive_timeout=60.0)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s))
-        return self._session
 
     # --- generation --------------------------------------------------------------------------
 
@@ -78,61 +65,24 @@ class HTTPBackend(InferenceBackend):
         """POST a generation request (``payload[prompt_key]`` holds the prompt ids); returns the
         parsed answer and the seconds it took."""
         body = _encode(payload, prompt_key)
-        url = self.address + path
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                session = self._client()
-                try:
-                    status, raw = await self._post(session, url, body)
-                except _STALE_CONNECTION as e:
-                    if isinstance(e, aiohttp.ClientConnectorError):
-                        raise
-                    logger.info("%s closed a pooled connection (%s: %s); sending %s again on a fresh one",
-                                self.address, type(e).__name__, e, request_id)
-                    self._retire(session)
-                    status, raw = await self._post(self._client(), url, body)
-        except aiohttp.ClientError as e:
-            raise InferenceError(f"{self.address}: {path} failed ({type(e).__name__}: {e}); "
-                                 "the server may be down or restarting") from e
-        except TimeoutError as e:
+                status, raw = await self._http.request("POST", path, body)
+        except TimeoutError as e:  # before OSError: TimeoutError is one
             self._abort_in_background(request_id)
             raise InferenceTimeout(f"{self.address} gave no whole answer to request {request_id} within "
                                    f"{timeout_s:.1f}s; the request was aborted there. Raise the "
                                    "turn deadline (timeout_s) if the server is just slow.") from e
+        except OSError as e:
+            raise InferenceError(f"{self.address}: {path} failed ({type(e).__name__}: {e}); "
+                                 "the server may be down or restarting") from e
         except asyncio.CancelledError:
             self._abort_in_background(request_id)
             raise
         http_s = time.perf_counter() - started
         self._check_status(status, raw, path)
         return self._parse(raw, path), http_s
-
-    async def _post(self, session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, bytes]:
-        self._calls[session] = self._calls.get(session, 0) + 1
-        try:
-            async with session.post(url, data=body, headers=self._headers) as resp:
-                return resp.status, await resp.read()
-        finally:
-            self._calls[session] -= 1
-            if session is not self._session and not self._calls[session]:
-                del self._calls[session]
-                self._close_in_background(session)
-
-    def _retire(self, session: aiohttp.ClientSession) -> None:
-        """Start a new session in place of ``session``: its idle connections all went stale
-        together (the server restarted), and trying them one by one would fail each call once
-        more. It closes once its last call ends (closing it now would break calls still fine)."""
-        if session is not self._session:
-            return  # another call already retired it
-        self._session = None
-        if not self._calls.get(session):
-            self._calls.pop(session, None)
-            self._close_in_background(session)
-
-    def _close_in_background(self, session: aiohttp.ClientSession) -> None:
-        task = asyncio.get_running_loop().create_task(session.close())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _parse(self, raw: bytes, path: str) -> dict[str, Any]:
         try:
@@ -173,7 +123,7 @@ class HTTPBackend(InferenceBackend):
     async def _abort_quietly(self, request_id: str) -> None:
         try:
             await self.abort(request_id)
-        except (InferenceError, aiohttp.ClientError, OSError) as e:
+        except (InferenceError, OSError) as e:
             # Closing the connection already makes vLLM and SGLang drop the request.
             logger.debug("abort of %s on %s failed: %s", request_id, self.address, e)
 
@@ -181,18 +131,16 @@ class HTTPBackend(InferenceBackend):
 
     async def _control(self, method: str, path: str, payload: dict[str, Any] | None = None,
                        params: dict[str, str] | None = None) -> dict[str, Any]:
-        url = self.address + path
+        target = f"{path}?{urlencode(params)}" if params else path
+        body = json.dumps(payload).encode() if payload is not None else b""
         try:
             async with asyncio.timeout(self._control_timeout_s):
-                async with self._client().request(method, url, json=payload, params=params,
-                                                  headers=self._headers) as resp:
-                    raw = await resp.read()
-                    status = resp.status
-        except aiohttp.ClientError as e:
-            raise InferenceError(f"{self.address}: {method} {path} failed ({type(e).__name__}: {e})") from e
+                status, raw = await self._http.request(method, target, body)
         except TimeoutError as e:
             raise InferenceTimeout(f"{self.address} did not answer {method} {path} within "
                                    f"{self._control_timeout_s}s (control_timeout_s)") from e
+        except OSError as e:
+            raise InferenceError(f"{self.address}: {method} {path} failed ({type(e).__name__}: {e})") from e
         self._check_status(status, raw, path)
         return self._parse(raw, path) if raw.strip() else {}
 
@@ -204,20 +152,17 @@ class HTTPBackend(InferenceBackend):
         generating answers late, and that alone must not take it out of the pool."""
         try:
             async with asyncio.timeout(self._health_timeout_s):
-                async with self._client().get(self.address + "/health", headers=self._headers) as resp:
-                    await resp.read()
-                    return "ok" if resp.status == 200 else "down"
+                status, _ = await self._http.request("GET", "/health")
         except TimeoutError:
             return "slow"
-        except (aiohttp.ClientError, OSError):
+        except OSError:
             return "down"
+        return "ok" if status == 200 else "down"
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(set(self._background), timeout=self._control_timeout_s)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._http.close()
 
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...

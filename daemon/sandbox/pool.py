@@ -8,6 +8,8 @@ and most agents use the shell and the editor far more than IPython, or not at al
 Every lease gets a fresh sandbox: on release the sandbox is destroyed in the background and a
 new one is started, so a lease never sees the files or processes of the previous one (an
 overlay mounted in a live instance cannot be reset safely in place).
+Cold starts and refills pass one :class:`~.start_gate.StartGate`: a few at a time, one image at a
+bounded rate, a bounded queue (a burst of hundreds finishes at the machine's pace, none times out).
 A watchdog destroys any sandbox over one of its caps (processes, memory, workspace disk: see
 :mod:`.caps`), which also covers root, where the kernel ignores RLIMIT_NPROC.
 """
@@ -32,6 +34,7 @@ from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellCo
 from ..sessions.ipython import ExecuteResult, KernelSession
 from .base import Sandbox, SandboxBackend, SandboxSpec
 from .caps import find_breaches
+from .start_gate import StartGate, StartGateConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,11 @@ class Lease:
     sandbox_stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     """Set once the sandbox is stopped: nothing it ran is alive. ``lost_reason`` comes first (new
     commands are refused at once); the stop of a lost lease follows in the background."""
+    start_wait_s: float = 0.0
+    """Wall time the sandbox's start waited in the pool's start gate (``open_lease``), then took,
+    then its shell took to answer."""
+    instance_start_s: float = 0.0
+    shell_start_s: float = 0.0
     kernel_start_s: float = 0.0
     """Wall time this lease's cells waited for their kernel to start (none when it was started
     ahead)."""
@@ -150,14 +158,19 @@ class Lease:
         await self.sandbox.remove_cgroup()
 
 
-async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
+async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False, gate: StartGate | None = None) -> Lease:
     """Start ``sandbox`` and its shell, and its kernel too with ``start_kernel`` (when its spec
-    offers IPython; otherwise the first cell starts it). On any failure nothing is left running."""
-    try:
-        await sandbox.start()
-    except BaseException:
-        await sandbox.remove_cgroup()
-        raise
+    offers IPython; otherwise the first cell starts it). On any failure nothing is left running.
+    ``gate`` admits the sandbox's start only: the instance start is what crowds a machine when
+    hundreds go at once, and shells can start no faster than instances come out of the gate."""
+    async with gate.slot(sandbox.spec.image) if gate else contextlib.nullcontext(0.0) as waited_s:
+        t0 = time.monotonic()
+        try:
+            await sandbox.start()
+        except BaseException:
+            await sandbox.remove_cgroup()
+            raise
+    t1 = time.monotonic()
     spec = sandbox.spec
     shell = PtySession(
         PtyShellConfig(
@@ -171,13 +184,14 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False) -> Lease:
         ),
         name=f"shell-{sandbox.id}",
     )
-    lease = Lease(sandbox, shell, offers_ipython=spec.ipython)
+    lease = Lease(sandbox, shell, offers_ipython=spec.ipython, start_wait_s=waited_s, instance_start_s=t1 - t0)
     try:
         await shell.start()
         if shell.pid is not None:
             sandbox.session_ids.add(shell.pid)
         # The first command of a new shell pays for loading the command path; pay it here.
         await shell.run(":", timeout_s=FIRST_COMMAND_TIMEOUT_S)
+        lease.shell_start_s = time.monotonic() - t1
         if start_kernel and spec.ipython:
             await lease.start_kernel()
     except BaseException:
@@ -195,14 +209,15 @@ class WarmPool:
         *,
         warm_specs: dict[SandboxSpec, int] | None = None,
         max_age_s: float = 3600.0,
-        start_concurrency: int = 2,
+        start_gate: StartGateConfig | None = None,
         watchdog_interval_s: float = CENSUS_INTERVAL_S,
         disk_check_interval_s: float = DISK_CHECK_INTERVAL_S,
         start_kernels: bool = False,
     ) -> None:
         """``start_kernels``: sandboxes whose spec offers IPython start their kernel before they
         are leased (see the module's note). ``disk_check_interval_s``: how often the watchdog
-        walks the workspaces for ``workspace_mb`` (a walk costs a stat per file)."""
+        walks the workspaces for ``workspace_mb`` (a walk costs a stat per file). ``start_gate``: how starts are
+        admitted (defaults of :class:`StartGateConfig`)."""
         self.backend = backend
         self.start_kernels = start_kernels
         self.warm_specs = {self._key(s): n for s, n in (warm_specs or {}).items()}
@@ -212,14 +227,15 @@ class WarmPool:
         self._ready: dict[SandboxSpec, deque[Lease]] = {s: deque() for s in self.warm_specs}
         self._starting: dict[SandboxSpec, int] = {s: 0 for s in self.warm_specs}
         self._leased: dict[str, Lease] = {}
-        self._start_slots = asyncio.Semaphore(start_concurrency)
+        self.start_gate = StartGate(start_gate)
         self._wakeup = asyncio.Event()
         self._ready_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._destroying: set[asyncio.Task[Any]] = set()
         self._closing = False
         self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
-                         "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0}
+                         "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0,
+                         "start_wait_s": 0.0}
         self._given_census: tuple[float, Counter[int]] | None = None
         self.last_start_error: str | None = None
 
@@ -319,22 +335,22 @@ class WarmPool:
     # --- background work --------------------------------------------------------------------
 
     async def _start_one(self, spec: SandboxSpec, *, background: bool = False) -> Lease:
-        async with self._start_slots:
-            try:
-                check_free_space(self.backend.state_dir, spec.limits.min_free_disk_mb)
-            except SandboxStartError:
-                self.counters["start_failures"] += 1
-                raise
-            sandbox = self.backend.create(spec)
-            sandbox.background = background
-            try:
-                lease = await open_lease(sandbox, start_kernel=self.start_kernels)
-            except Exception as e:
-                self.counters["start_failures"] += 1
-                self.last_start_error = str(e)
-                raise
-            self.counters["started"] += 1
-            return lease
+        try:
+            check_free_space(self.backend.state_dir, spec.limits.min_free_disk_mb)
+        except SandboxStartError:
+            self.counters["start_failures"] += 1
+            raise
+        sandbox = self.backend.create(spec)
+        sandbox.background = background
+        try:
+            lease = await open_lease(sandbox, start_kernel=self.start_kernels, gate=self.start_gate)
+        except Exception as e:
+            self.counters["start_failures"] += 1
+            self.last_start_error = str(e)
+            raise
+        self.counters["started"] += 1
+        self.counters["start_wait_s"] += lease.start_wait_s
+        return lease
 
     async def _replenish_loop(self) -> None:
         while True:
@@ -431,6 +447,7 @@ class WarmPool:
             "starting": sum(self._starting.values()),
             "leased": len(self._leased),
             "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
+            "starts_waiting": self.start_gate.waiting,
             **self.counters,
         }
 

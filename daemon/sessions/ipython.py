@@ -65,6 +65,8 @@ class KernelSession:
         self._lock = asyncio.Lock()
         self._running_msg_id: str | None = None
         self.restarts = 0
+        self.connection: dict[str, Any] = {}
+        """The running kernel's connection info as the host sees it (another client can join)."""
 
     @property
     def pid(self) -> int | None:
@@ -96,7 +98,8 @@ class KernelSession:
         shutil.copyfile(Path(__file__).with_name("kernel_launcher.py"), sb.run_dir / "kernel_launcher.py")
         launch = (
             f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
-            f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False"
+            f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False "
+            "--IPythonKernel._execute_sleep=0"
         )
         env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
                "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
@@ -108,6 +111,7 @@ class KernelSession:
             log_file.close()
         sb.session_ids.add(self._proc.pid)
         # No heartbeat channel: a dead kernel shows as the exit of its process, which we watch already.
+        self.connection = host_info
         self._channels = KernelChannels(host_info)
         try:
             await self._wait_ready()

@@ -12,10 +12,12 @@ from rolloutd.native_io.errors import TaskError
 
 from .base import Task, get_task_type, register_task_type
 from .command import CommandTaskType
+from .filecalc import FileCalcTaskType
 from .swe import SweTaskType
 
 register_task_type(SweTaskType())
 register_task_type(CommandTaskType())
+register_task_type(FileCalcTaskType())
 
 BUNDLED = "bundled"
 

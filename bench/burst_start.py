@@ -1,0 +1,147 @@
+"""A burst of sandbox starts through the warm pool's start gate, against the same number of plain
+``apptainer instance start`` commands run in parallel at the same concurrency.
+
+    python bench/burst_start.py [--quick] [--n N] [--concurrency C] [--json PATH]
+
+- burst: ``n`` cold leases asked of one WarmPool at once (``asyncio.gather``); the gate runs
+  ``concurrency`` starts at a time and queues the rest. Each lease is an instance plus its shell
+  answering a probe. ``burst_failed`` counts leases that raised; ``burst_instances_per_s`` is
+  leases started over the burst's wall time.
+- bare: the very same ``apptainer instance start`` command lines (our flags, folders and image),
+  run by a thread pool of ``concurrency`` plain ``subprocess.run`` calls: Apptainer's own cost.
+The two alternate (bare, burst, burst, bare) so the machine's drifting load hits both alike;
+each figure is the mean of its two rounds. Where a burst's time goes is reported per lease:
+queued in the gate, instance start, shell start. Target: burst >= 0.8 x bare, none failed.
+``--quick`` uses n = 64 (the issue's n is 512: run without --quick).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import check_targets, print_table, standard_args, write_json  # noqa: E402
+
+from rolloutd.daemon.sandbox.apptainer import ApptainerBackend, ApptainerSandbox  # noqa: E402
+from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
+from rolloutd.daemon.sandbox.images import resolve_image  # noqa: E402
+from rolloutd.daemon.sandbox.pool import Lease, WarmPool  # noqa: E402
+from rolloutd.daemon.sandbox.start_gate import StartGateConfig  # noqa: E402
+
+TARGET = 0.8
+SPEC = SandboxSpec(ipython=False)
+
+
+async def burst(backend: ApptainerBackend, n: int, concurrency: int) -> dict[str, Any]:
+    pool = WarmPool(backend, warm_specs={}, start_gate=StartGateConfig(concurrency=concurrency))
+    await pool.start()
+    leases: list[Lease] = []
+    try:
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(pool.lease(SPEC) for _ in range(n)), return_exceptions=True)
+        wall = time.perf_counter() - t0
+        leases = [o for o in outcomes if isinstance(o, Lease)]
+        errors = [o for o in outcomes if not isinstance(o, Lease)]
+        if errors:
+            print(f"burst: {len(errors)} failed, first: {errors[0]!r}", file=sys.stderr)
+        return {"wall_s": wall, "ok": len(leases), "failed": len(errors),
+                "wait_s": pool.counters["start_wait_s"] / n,
+                "instance_s": statistics.fmean(l.instance_start_s for l in leases) if leases else float("nan"),
+                "shell_s": statistics.fmean(l.shell_start_s for l in leases) if leases else float("nan"),
+                "max_queued": pool.start_gate.max_waiting_seen}
+    finally:
+        for lease in leases:
+            await pool.release(lease)
+        await pool.close()
+
+
+async def bare(backend: ApptainerBackend, n: int, concurrency: int) -> dict[str, Any]:
+    image = await resolve_image(SPEC.image)
+    sandboxes: list[ApptainerSandbox] = [backend.create(SPEC) for _ in range(n)]
+    for sb in sandboxes:
+        sb.prepare_folders()
+    argvs = [sb._start_argv(image) for sb in sandboxes]
+    env = backend.env()
+
+    def start(k: int) -> int:
+        with open(sandboxes[k].lease_dir / "start.log", "wb") as log:
+            return subprocess.run(argvs[k], cwd=sandboxes[k].lease_dir, env=env, stdout=log, stderr=log).returncode
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as threads:
+            codes = await asyncio.get_running_loop().run_in_executor(None, lambda: list(threads.map(start, range(n))))
+        wall = time.perf_counter() - t0
+    finally:
+        for sb in sandboxes:  # stopped with our stop ladder, outside the timing
+            pid_file = sb.lease_dir / "instance.pid"
+            text = pid_file.read_text().strip() if pid_file.exists() else ""
+            sb._adopt_init(int(text) if text.isdigit() else sb._find_init_pid())
+            await sb.stop()
+    return {"wall_s": wall, "ok": codes.count(0), "failed": n - codes.count(0)}
+
+
+async def main() -> int:
+    parser = standard_args(__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=None, help="sandboxes per burst (64 with --quick, else 512)")
+    parser.add_argument("--concurrency", type=int, default=StartGateConfig().concurrency,
+                        help="starts at once, for both paths (the gate's default)")
+    args = parser.parse_args()
+    n = args.n or (64 if args.quick else 512)
+    state = Path(tempfile.mkdtemp(prefix="rld-burst-"))
+    backend = ApptainerBackend(state)
+    load = os.getloadavg()[0]
+    rounds: dict[str, list[dict[str, Any]]] = {"bare": [], "burst": []}
+    try:
+        await burst(backend, 2, args.concurrency)  # warm-up: image resolved, page cache
+        for name in ("bare", "burst", "burst", "bare"):
+            run = bare if name == "bare" else burst
+            rounds[name].append(await run(backend, n, args.concurrency))
+            print(f"{name}: {rounds[name][-1]}", flush=True)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+    def rate(name: str) -> float:
+        return statistics.fmean(r["ok"] / r["wall_s"] for r in rounds[name])
+
+    b = rounds["burst"]
+    results = {"burst_n": n, "concurrency": args.concurrency, "load_avg_1m": load,
+               "burst_failed": sum(r["failed"] for r in b), "bare_failed": sum(r["failed"] for r in rounds["bare"]),
+               "burst_instances_per_s": rate("burst"), "bare_instances_per_s": rate("bare"),
+               "burst_wait_s_per_lease": statistics.fmean(r["wait_s"] for r in b),
+               "burst_instance_s_per_lease": statistics.fmean(r["instance_s"] for r in b),
+               "burst_shell_s_per_lease": statistics.fmean(r["shell_s"] for r in b),
+               "burst_max_queued": max(r["max_queued"] for r in b)}
+    results["burst_vs_bare"] = results["burst_instances_per_s"] / results["bare_instances_per_s"]
+    print_table(f"Burst of {n} sandbox starts, {args.concurrency} at a time (load {load:.1f} at the start)",
+                ["path", "instances/s", "failed", "wall s (2 rounds)"],
+                [["burst: cold leases via the pool's start gate", results["burst_instances_per_s"],
+                  results["burst_failed"], " / ".join(f"{r['wall_s']:.1f}" for r in b)],
+                 ["bare: apptainer instance start, thread pool", results["bare_instances_per_s"],
+                  results["bare_failed"], " / ".join(f"{r['wall_s']:.1f}" for r in rounds["bare"])]])
+    print(f"per lease in the burst: {results['burst_wait_s_per_lease']:.2f} s queued, "
+          f"{results['burst_instance_s_per_lease']:.2f} s instance start, "
+          f"{results['burst_shell_s_per_lease']:.2f} s shell start and probe; "
+          f"at most {results['burst_max_queued']} queued")
+    write_json(args.json, results)
+    ok = check_targets([
+        (f"burst_failed {results['burst_failed']} == 0", results["burst_failed"] == 0),
+        (f"burst/bare {results['burst_vs_bare']:.2f}x >= {TARGET}x", results["burst_vs_bare"] >= TARGET),
+    ])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(uvloop.run(main()))
