@@ -30,7 +30,7 @@ apptainer:
 image: apptainer
 	scripts/build-image
 
-# Whom a root daemon's workers and sandboxes run as: never root (see daemon/sandbox_user.py).
+# Whom a root daemon's workers and sandboxes run as: never root (see daemon/node/sandbox_user.py).
 sandbox-user:
 	scripts/add-sandbox-user
 

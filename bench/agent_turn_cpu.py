@@ -48,7 +48,8 @@ from agent_support import (
 from common import check_targets, percentile, print_table, standard_args, write_json
 from rolloutd.daemon.agents import AgentOutcome, make_agent
 from rolloutd.daemon.agents.content_text import ContentText
-from rolloutd.daemon.agents.tokens import TokenCodec, TokenLedger
+from rolloutd.daemon.agents.codec import TokenCodec
+from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 
 TARGET_MS = 1.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, summary_ms, time_calls, write_json  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
+from support.net import free_port  # noqa: E402
 
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
 from rolloutd.native_io.pty_session import PtySession, PtyShellConfig, default_shell_argv  # noqa: E402
@@ -93,12 +93,6 @@ async def run(req: Run) -> dict:
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop="uvloop")
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def direct_samples(n: int) -> list[float]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.daemon.agents.tokens import TokenCodec
+from rolloutd.daemon.agents.codec import TokenCodec
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.daemon.inference.pool import ServerPool

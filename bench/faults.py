@@ -41,14 +41,15 @@ from router_support import RawTrainer  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.client.wire import MsgType  # noqa: E402
-from rolloutd.daemon.config import NodeConfig  # noqa: E402
-from rolloutd.daemon.run_lock import running_pid  # noqa: E402
+from rolloutd.cli.run_lock import running_pid  # noqa: E402
+from rolloutd.daemon.node.config import NodeConfig  # noqa: E402
+from rolloutd.daemon.node.sandbox_user import workers_dir  # noqa: E402
 from rolloutd.daemon.sandbox.cgroups import DELEGATED_PREFIX, MemoryCgroups  # noqa: E402
-from rolloutd.daemon.sandbox_user import workers_dir  # noqa: E402
+from rolloutd.native_io.wire import MsgType  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 from rolloutd.native_io import shm  # noqa: E402
 from rolloutd.native_io.errors import DaemonLost  # noqa: E402
+from rolloutd.native_io.wire import MsgType  # noqa: E402
 
 MEMORY_HOG = "python3 -c 'x = bytearray(20 * 2**30)'; echo survived"
 

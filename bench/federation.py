@@ -19,11 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, summary_ms, time_calls, write_json  # noqa: E402
 from daemon_fixtures import router_daemon, start_nodes, stop_node  # noqa: E402
-from router_support import Federation, federation, free_port  # noqa: E402
+from router_support import Federation, federation  # noqa: E402
+from support.net import free_port  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.daemon.curve import CurveClient, keygen  # noqa: E402
+from rolloutd.native_io.curve import CurveClient, keygen  # noqa: E402
 
 NODE = ("--backend", "local", "--workers", "1", "--warm", "0", "--debug-ops")
 OP, ARGS = "debug.sleep", {"seconds": 0.0}

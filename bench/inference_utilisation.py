@@ -27,7 +27,7 @@ from common import check_targets, print_table, standard_args, write_json  # noqa
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
-from rolloutd.daemon.demo import policy_server  # noqa: E402
+from rolloutd.cli.demo import policy_server  # noqa: E402
 from rolloutd.daemon.inference import SamplingParams  # noqa: E402
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request  # noqa: E402
 from rolloutd.daemon.policy.tokenizer import load_tokenizer  # noqa: E402

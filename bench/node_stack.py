@@ -12,11 +12,12 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from router_support import free_port  # noqa: E402
+from support.net import free_port  # noqa: E402
 
-from rolloutd.daemon.demo import policy_server  # noqa: E402
+from rolloutd.cli.demo import policy_server  # noqa: E402
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail  # noqa: E402
 
-CLI = [sys.executable, "-m", "rolloutd.daemon.cli", "node"]
+CLI = [sys.executable, "-m", "rolloutd.cli.main", "node"]
 NODE_ARGS = ["--backend", "apptainer", "--workers", "2", "--warm", "2"]
 
 
@@ -25,7 +26,7 @@ def start_node(run_dir: Path, url: str, env: dict[str, str]) -> str:
                           *NODE_ARGS, "--inference-server", url], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=240)
     if out.returncode != 0:
-        raise SystemExit(f"the node daemon did not start: {out.stderr[-2000:]}")
+        raise SystemExit(f"the node daemon did not start: {tail(out.stderr, LOG_TAIL_CHARS)}")
     return out.stdout.strip().splitlines()[-1]
 
 

@@ -41,7 +41,7 @@ from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import RolloutRequest  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
-from rolloutd.daemon.demo import policy_server  # noqa: E402
+from rolloutd.cli.demo import policy_server  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import uuid
@@ -22,6 +23,7 @@ import numpy as np
 import zmq
 
 from rolloutd.native_io import framing, shm
+from rolloutd.native_io.curve import HANDSHAKE_FAILURES, CurveClient, handshake_reason
 from rolloutd.native_io.errors import (
     Cancelled,
     DaemonLost,
@@ -31,11 +33,19 @@ from rolloutd.native_io.errors import (
     error_from_code,
 )
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.run_dir import default_run_dir
+from rolloutd.native_io.trajectory import Trajectory, unpack_batch
+from rolloutd.native_io.wire import (
+    ExecuteResult,
+    MsgType,
+    RolloutArgs,
+    RolloutOptions,
+    SandboxOpenArgs,
+    TaskRef,
+    to_fields,
+)
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
-
-from .trajectory import Trajectory, unpack_batch
-from .wire import ExecuteResult, MsgType, RolloutArgs, SandboxOpenArgs, TaskRef, to_fields
 
 DEFAULT_TIMEOUT_S = 600.0
 HEARTBEAT_IVL_MS = 2000
@@ -44,44 +54,31 @@ HEARTBEAT_TIMEOUT_MS = 10000
 I/O thread answers even while the daemon's event loop is busy, so load does not trip it)."""
 RESULT_MARGIN_S = 60.0
 """``as_completed`` without a timeout waits for the latest request's own ``timeout_s`` plus this."""
+SANDBOX_CLOSE_TIMEOUT_S = 60.0
+"""Closing a sandbox stops its processes and resets it: seconds, even on a busy node."""
 
 
 def default_address() -> str:
     explicit = os.environ.get("ROLLOUTD_ADDRESS")
     if explicit:
         return explicit
-    from rolloutd.daemon.config import default_run_dir
-
     return f"ipc://{default_run_dir() / 'node.sock'}"
 
 
-@dataclass
-class RolloutRequest:
-    """One task to roll out ``n`` times; see ``wire.RolloutArgs`` for every field's meaning."""
+@dataclass(kw_only=True)
+class RolloutRequest(RolloutOptions):
+    """One task to roll out ``n`` times: ``task_id`` from ``dataset``, or a full ``task`` record;
+    every other field (and its default) is ``wire.RolloutOptions``'s."""
 
     task_id: str = ""
     dataset: str = "bundled"
     task: dict[str, Any] | None = None
     """A full inline task record instead of ``task_id``/``dataset``."""
-    n: int = 1
-    agent: str = "codeact"
-    agent_config: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 1800.0
-    init_timeout_s: float = 600.0
-    run_timeout_s: float = 1800.0
-    eval_timeout_s: float = 600.0
-    priority: int = 0
-    network: bool = False
-    ipython: bool = True
-    infra_retries: int = 1
     request_id: str | None = None
 
     def to_args(self) -> dict[str, Any]:
-        args = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **{
-            k: getattr(self, k) for k in ("n", "agent", "agent_config", "sampling", "timeout_s", "init_timeout_s",
-                                          "run_timeout_s", "eval_timeout_s", "priority", "network", "ipython",
-                                          "infra_retries")}))
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutOptions)}
+        args: dict[str, Any] = to_fields(RolloutArgs(task=TaskRef(self.task_id, self.dataset, self.task), **options))
         return args
 
 
@@ -113,14 +110,41 @@ class Reply:
     """Shared-memory segments backing ``arrays``; give them back with ``release``."""
 
 
-class AsyncRolloutClient:
+class InferenceControl:
+    """The node's inference servers and weights, as every worker of the node applies them (a
+    part of :class:`AsyncRolloutClient`)."""
+
+    async def request(self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                      request_id: str | None = None) -> Reply:
+        raise NotImplementedError
+
+    async def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
+        """Every worker of the node adds ``address``; ``api_key`` is its bearer token when it is
+        not the node's own ``inference_api_key``."""
+        args = {"address": address, **({"api_key": api_key} if api_key else {})}
+        return (await self.request("inference.add_server", args)).result
+
+    async def remove_inference_server(self, address: str) -> dict[str, Any]:
+        return (await self.request("inference.remove_server", {"address": address})).result
+
+    async def set_weight_version(self, version: str) -> dict[str, Any]:
+        return (await self.request("inference.set_weight_version", {"version": version})).result
+
+    async def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
+        return (await self.request("inference.pause", {"mode": mode})).result
+
+    async def resume_inference(self) -> dict[str, Any]:
+        return (await self.request("inference.resume")).result
+
+
+class AsyncRolloutClient(InferenceControl):
     def __init__(self, address: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  arrays: str = "auto", curve: Any = None) -> None:
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self.array_transport = ("shm" if self.address.startswith("ipc://") else "frames") if arrays == "auto" else arrays
         self._curve = curve
-        """Keys for a tcp:// address (``rolloutd.daemon.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
+        """Keys for a tcp:// address (``rolloutd.native_io.curve.CurveClient``); default from ROLLOUTD_CURVE_*."""
         self._ctx: zmq.Context[Any] | None = None
         self._sock: LoopSocket | None = None
         self._events: SocketEvents | None = None
@@ -140,8 +164,6 @@ class AsyncRolloutClient:
             return self
         check_ipc_reachable(self.address)
         if self._curve is None and self.address.startswith("tcp://"):
-            from rolloutd.daemon.curve import CurveClient
-
             self._curve = CurveClient.from_env()
         self._ctx = zmq.Context()
         sock = make_socket(self._ctx, zmq.DEALER, identity=uuid.uuid4().bytes)
@@ -149,8 +171,6 @@ class AsyncRolloutClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         events = zmq.EVENT_DISCONNECTED
         if self._curve is not None:
-            from rolloutd.daemon.curve import HANDSHAKE_FAILURES
-
             self._curve.apply_client(sock)
             events |= HANDSHAKE_FAILURES
         self._events = SocketEvents(sock, events, self._on_socket_event)
@@ -221,8 +241,6 @@ class AsyncRolloutClient:
                 f"heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:.0f} s) while this call was pending; its work is "
                 "lost. See `rolloutd node status` and the daemon's log, then submit again"))
             return
-        from rolloutd.daemon.curve import handshake_reason
-
         reason = handshake_reason(event)
         self._fail_pending(lambda: PermissionDenied(
             f"{self.address} refused this client: {reason}; its operator must add your public key "
@@ -357,26 +375,6 @@ class AsyncRolloutClient:
     async def status(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return (await self.request("status", timeout_s=timeout_s)).result
 
-    # --- inference servers, applied by every worker of the node -------------------------------
-
-    async def add_inference_server(self, address: str, api_key: str | None = None) -> dict[str, Any]:
-        """Every worker of the node adds ``address``; ``api_key`` is its bearer token when it is
-        not the node's own ``inference_api_key``."""
-        args = {"address": address, **({"api_key": api_key} if api_key else {})}
-        return (await self.request("inference.add_server", args)).result
-
-    async def remove_inference_server(self, address: str) -> dict[str, Any]:
-        return (await self.request("inference.remove_server", {"address": address})).result
-
-    async def set_weight_version(self, version: str) -> dict[str, Any]:
-        return (await self.request("inference.set_weight_version", {"version": version})).result
-
-    async def pause_inference(self, mode: str = "keep") -> dict[str, Any]:
-        return (await self.request("inference.pause", {"mode": mode})).result
-
-    async def resume_inference(self) -> dict[str, Any]:
-        return (await self.request("inference.resume")).result
-
     async def open_sandbox(self, **kwargs: Any) -> "AsyncSandbox":
         """Lease a sandbox (kwargs as ``SandboxOpenArgs``: image, network, ipython, writable, timeout_s)."""
         args = to_fields(SandboxOpenArgs(**kwargs))
@@ -418,7 +416,7 @@ class AsyncSandbox:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            await self.client.request("sandbox.close", {"sandbox_id": self.id}, timeout_s=60)
+            await self.client.request("sandbox.close", {"sandbox_id": self.id}, timeout_s=SANDBOX_CLOSE_TIMEOUT_S)
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self

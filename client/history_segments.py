@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.client.trajectory import TurnRecord
+from rolloutd.native_io.trajectory import TurnRecord
 
 
 @dataclass
@@ -37,7 +37,7 @@ class HistorySegment:
 
 
 def split_history_segments(trajectory: Any) -> list[HistorySegment]:
-    """The segments of a :class:`~rolloutd.client.trajectory.Trajectory` (or an agent outcome),
+    """The segments of a :class:`~rolloutd.native_io.trajectory.Trajectory` (or an agent outcome),
     as views of its arrays (copy what you keep past ``client.release``)."""
     t = trajectory
     info = [s for s in (t.metrics or {}).get("history_segments", []) if s.get("in_arrays")]

@@ -11,9 +11,9 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.wire import ExecuteResult
 
 from .async_client import AsyncRolloutClient, AsyncSandbox, Reply, RolloutRequest, RolloutResult
-from .wire import ExecuteResult
 
 T = TypeVar("T")
 

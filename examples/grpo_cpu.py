@@ -43,15 +43,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rolloutd.client.async_client import RolloutRequest
-from rolloutd.client.sync_client import RolloutClient
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.cli.demo import node_daemon, policy_server
+from rolloutd.client import RolloutClient, RolloutdError, RolloutRequest, Trajectory
 from rolloutd.client.validate import validate_batch
-from rolloutd.daemon.demo import node_daemon, policy_server
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.sandbox.apptainer import apptainer_available
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
-from rolloutd.native_io.errors import RolloutdError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_policy import TorchReferencePolicy  # noqa: E402

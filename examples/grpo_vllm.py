@@ -44,8 +44,8 @@ import torch
 
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.client.trajectory import Trajectory
-from rolloutd.daemon.demo import node_daemon
+from rolloutd.native_io.trajectory import Trajectory
+from rolloutd.cli.demo import node_daemon
 from rolloutd.daemon.inference.tiny_model import TinyModelSpec
 from rolloutd.daemon.inference.vllm_server import VLLMServer
 from rolloutd.daemon.inference.vllm_weights import push_weights

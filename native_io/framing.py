@@ -3,7 +3,7 @@
 The type is a frame of its own so a router can dispatch without decoding; the header is a small
 msgpack map; arrays never go inside it: they follow as raw frames (sent without a copy) or live
 in a shared-memory segment the header names (see :mod:`shm`). This module knows nothing of
-rollouts: the message vocabulary is in ``rolloutd.client.wire``.
+rollouts: the message vocabulary is in ``rolloutd.native_io.wire``.
 """
 
 from __future__ import annotations

@@ -36,3 +36,14 @@ class OutputCollector:
             self.head.decode("utf-8", "replace") + marker + self.tail.decode("utf-8", "replace"),
             True,
         )
+
+
+TAIL_CHARS = 500
+"""How much of a command's output an error message quotes: its end, where the error usually is."""
+LOG_TAIL_CHARS = 2000
+"""How much of a process's log an error message quotes when the process failed to start."""
+
+
+def tail(text: str, n: int = TAIL_CHARS) -> str:
+    """The end of ``text`` that an error message quotes (all of it when shorter)."""
+    return text[-n:]

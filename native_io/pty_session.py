@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CommandTimeout, SessionError
-from .output import OutputCollector
+from .output import OutputCollector, tail
 from .spawn import Child, spawn_pty
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ _SENTINEL_RE = re.compile(rb"\x1eRLD([0-9a-f]{16}):(-?\d+)\x1e\n")
 # Longest tail that can still be the start of a sentinel: \x1eRLD + 16 hex + : + rc + \x1e\n
 _SENTINEL_HOLD = 4 + 16 + 1 + 12 + 2
 _COMMAND_FILE = "cmd.sh"
+KILLED_EXIT_TIMEOUT_S = 5.0
+"""After SIGKILL, how long the shell may take to be reaped."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,44 @@ class PtyShellConfig:
     term_grace_s: float = 0.5
 
 
+class CommandFile:
+    """The file the shell sources for each command (the PTY carries only a short line naming it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._fd: int | None = None
+
+    def write(self, payload: bytes) -> None:
+        # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
+        # with discard, more than the whole command round trip.
+        if self._fd is None:
+            self._fd = self._open(_COMMAND_FILE)
+        os.pwrite(self._fd, payload, 0)
+        os.ftruncate(self._fd, len(payload))
+
+    def disarm(self) -> None:
+        # On a loaded node the ^C can land before the shell has read the line that sources the
+        # command file; that line then still runs after the interrupt (the terminal keeps it,
+        # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
+        # no-op; a shell that already opened the old file is running it, and the ^C stops it.
+        # A rename, not a truncation: a shell reading the file sees all of it or none.
+        fd = self._open(f"{_COMMAND_FILE}.next", truncate=True)
+        os.rename(self._folder / f"{_COMMAND_FILE}.next",
+                  self._folder / _COMMAND_FILE)
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
+
+    def _open(self, name: str, *, truncate: bool = False) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        return os.open(self._folder / name, flags, 0o600)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class PtySession:
     """One persistent shell. Commands run one at a time (a lock serialises callers)."""
 
@@ -89,7 +129,7 @@ class PtySession:
         self._waiter: asyncio.Future[int] | None = None
         self._token = ""
         self._lock = asyncio.Lock()
-        self._cmd_fd: int | None = None
+        self._command_file = CommandFile(config.command_dir_host)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.restarts = 0
         self.stop_rung: str | None = None
@@ -139,36 +179,15 @@ class PtySession:
     async def close(self) -> None:
         async with self._lock:
             await self._kill()
-            if self._cmd_fd is not None:
-                os.close(self._cmd_fd)
-                self._cmd_fd = None
+            self._command_file.close()
 
     async def _kill(self) -> None:
         """Stop ladder sent to the shell's process group: SIGTERM, then SIGKILL."""
-        proc = self._proc
-        if proc is None:
+        if self._proc is None:
             return
         assert self._exited is not None
-        rung = "exited"
-        if not self._exited.done():
-            rung = "sigterm"
-            self._signal_group(signal.SIGTERM)
-            self._signal_group(signal.SIGHUP)
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), self.config.term_grace_s)
-            except TimeoutError:
-                rung = "sigkill"
-                self._signal_group(signal.SIGKILL)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._exited), 5.0)
-        # Background jobs may still hold the group after the leader died.
-        self._signal_group(signal.SIGKILL)
-        self.stop_rung = rung
+        self.stop_rung = await stop_group(self._proc, self._exited, self.config.term_grace_s)
         self._detach()
-
-    def _signal_group(self, sig: int) -> None:
-        if self._proc is not None:
-            self._proc.signal_group(sig)
 
     def _detach(self) -> None:
         if self._proc is None:
@@ -279,7 +298,7 @@ class PtySession:
             payload = (command if command.endswith("\n") else command + "\n").encode(
                 "utf-8", "surrogateescape"
             )
-            self._write_command_file(payload)
+            self._command_file.write(payload)
             shell_path = f"{self.config.command_dir_shell}/{_COMMAND_FILE}"
             collector = OutputCollector(self.config.max_output_bytes)
             self._scan.clear()
@@ -296,7 +315,7 @@ class PtySession:
                         f"command exceeded its {timeout_s} s limit (timeout_s) and was interrupted"
                         + ("; the shell did not recover and was restarted (cwd and environment reset)"
                            if restarted else "")
-                        + (f"; last output: {out[-500:]!r}" if out else ""),
+                        + (f"; last output: {tail(out)!r}" if out else ""),
                         details={"output": out, "truncated": truncated, "shell_restarted": restarted,
                                  "output_bytes": collector.total},
                     ) from None
@@ -318,34 +337,9 @@ class PtySession:
                 shell_restarted=restarted,
             )
 
-    def _write_command_file(self, payload: bytes) -> None:
-        # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
-        # with discard, more than the whole command round trip.
-        if self._cmd_fd is None:
-            self._cmd_fd = self._open_command_file(_COMMAND_FILE)
-        os.pwrite(self._cmd_fd, payload, 0)
-        os.ftruncate(self._cmd_fd, len(payload))
-
-    def _disarm_command_file(self) -> None:
-        # On a loaded node the ^C can land before the shell has read the line that sources the
-        # command file; that line then still runs after the interrupt (the terminal keeps it,
-        # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
-        # no-op; a shell that already opened the old file is running it, and the ^C stops it.
-        # A rename, not a truncation: a shell reading the file sees all of it or none.
-        fd = self._open_command_file(f"{_COMMAND_FILE}.next", truncate=True)
-        os.rename(self.config.command_dir_host / f"{_COMMAND_FILE}.next",
-                  self.config.command_dir_host / _COMMAND_FILE)
-        if self._cmd_fd is not None:
-            os.close(self._cmd_fd)
-        self._cmd_fd = fd
-
-    def _open_command_file(self, name: str, *, truncate: bool = False) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
-        return os.open(self.config.command_dir_host / name, flags, 0o600)
-
     async def _interrupt(self) -> bool:
         """SIGINT through the terminal; returns True when the shell had to be respawned."""
-        self._disarm_command_file()
+        self._command_file.disarm()
         with contextlib.suppress(SessionError):
             self._write(b"\x03")
         try:
@@ -361,6 +355,26 @@ class PtySession:
         self._detach()
         self.restarts += 1
         await self.start()
+
+
+async def stop_group(proc: Child, exited: asyncio.Future[int], term_grace_s: float) -> str:
+    """SIGTERM and SIGHUP to the group, SIGKILL after ``term_grace_s``; the rung reached
+    (``exited`` when it had already ended). Background jobs may hold the group after the leader
+    died: the group always gets a last SIGKILL."""
+    rung = "exited"
+    if not exited.done():
+        rung = "sigterm"
+        proc.signal_group(signal.SIGTERM)
+        proc.signal_group(signal.SIGHUP)
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), term_grace_s)
+        except TimeoutError:
+            rung = "sigkill"
+            proc.signal_group(signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), KILLED_EXIT_TIMEOUT_S)
+    proc.signal_group(signal.SIGKILL)
+    return rung
 
 
 class _Expired(Exception):

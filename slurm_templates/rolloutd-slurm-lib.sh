@@ -259,7 +259,7 @@ rld_proc_alive() {
 }
 
 # rld_is_daemon PID RUN_DIR UID: PID is the daemon of RUN_DIR. The one rule, shared with
-# rolloutd.daemon.lifecycle.is_daemon (tests/test_slurm_hooks.py checks both agree): the process
+# rolloutd.cli.lifecycle.is_daemon (tests/test_slurm_hooks.py checks both agree): the process
 # is alive (not a zombie), owned by UID, and one argument of its command line is RUN_DIR or a
 # path inside it (`node start --detach` always passes --run-dir). A reused pid, another job's
 # daemon (job1 is no prefix of job10/) or a process of another user never qualifies.

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import rolloutd.daemon.tasks
 from rolloutd.daemon.agents.base import AgentOutcome
 from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.daemon.agents.toolcalls import CODEACT_TOOLS
@@ -31,9 +30,10 @@ from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.tasks.datasets import bundled_dir
 
 API_KEY = "agent-test-key"
-BUNDLED = Path(rolloutd.daemon.tasks.__file__).parent / "bundled"
+BUNDLED = bundled_dir()
 EOT = "<|im_end|>"
 
 

@@ -72,7 +72,7 @@ def every_trajectory_is_valid(request: pytest.FixtureRequest, monkeypatch: pytes
     if request.node.get_closest_marker("invalid_trajectories"):
         yield
         return
-    from rolloutd.client.trajectory import Trajectory
+    from rolloutd.native_io.trajectory import Trajectory
     from rolloutd.client.validate import trajectory_problems
 
     built = Trajectory.__post_init__

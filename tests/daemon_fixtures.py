@@ -1,9 +1,10 @@
-"""Starting real node daemons and routers (separate processes) for tests, and stopping them by PID."""
+"""Starting real node daemons and routers (separate processes) for tests, and stopping them with
+``rolloutd node stop`` / ``rolloutd router stop``, which must succeed on their own: a daemon that
+needed SIGKILL, or a stop that failed, fails the test (no fallback here hides a broken stop)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,18 +17,20 @@ import psutil
 from rolloutd.native_io import shm
 
 
-CLI = [sys.executable, "-m", "rolloutd.daemon.cli"]
+CLI = [sys.executable, "-m", "rolloutd.cli.main"]
 
 
 @contextmanager
-def node_daemon(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A detached node daemon on ``run_dir``; yields its address; checks it leaves nothing behind."""
+def node_daemon(run_dir: Path, *args: str, env: dict[str, str] | None = None,
+                stop_rung: str | None = "sigterm") -> Iterator[str]:
+    """A detached node daemon on ``run_dir``; yields its address; stops it (see :func:`stop_node`
+    for ``stop_rung``: None when the test kills the daemon itself) and checks it leaves nothing."""
     (address,) = start_nodes([run_dir], *args, env=env)
     pid = int((run_dir / "node.pid").read_text())
     try:
         yield address
     finally:
-        stop_node(run_dir, [pid])
+        stop_node(run_dir, [pid], rung=stop_rung)
 
 
 def start_nodes(run_dirs: list[Path], *args: str, env: dict[str, str] | None = None,
@@ -46,13 +49,23 @@ def start_nodes(run_dirs: list[Path], *args: str, env: dict[str, str] | None = N
     return addresses
 
 
-def stop_node(run_dir: Path, pids: list[int]) -> None:
-    """``rolloutd node stop`` (SIGKILL if that fails), then check ``pids`` left nothing behind."""
-    stop = subprocess.run([*CLI, "node", "stop", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60)
+def stop_node(run_dir: Path, pids: list[int], *, rung: str | None = "sigterm", timeout_s: float = 20.0) -> None:
+    """``rolloutd node stop``, then check ``pids`` left nothing behind. ``rung``: how the stop
+    must end the daemon, ``sigterm`` (it shut down by itself) unless a test wants the ladder to
+    reach ``sigkill``; None when the test killed the daemon itself (then there is none to stop)."""
+    stop = subprocess.run([*CLI, "node", "stop", "--run-dir", str(run_dir), "--timeout-s", str(timeout_s)],
+                          capture_output=True, text=True, timeout=timeout_s + 60)
+    _assert_stopped(stop, rung, "no node daemon running")
     for pid in pids:
-        if stop.returncode != 0 and daemon_processes(pid):
-            os.kill(pid, signal.SIGKILL)
         assert_daemon_gone(run_dir, pid)
+
+
+def _assert_stopped(stop: subprocess.CompletedProcess[str], rung: str | None, none_running: str) -> None:
+    assert stop.returncode == 0, f"stop failed ({stop.returncode}): {stop.stdout}{stop.stderr}"
+    if rung is None:
+        assert none_running in stop.stdout, f"the daemon was expected gone already: {stop.stdout}"
+    else:
+        assert f"({rung})" in stop.stdout, f"the stop was expected to end by {rung}: {stop.stdout}{stop.stderr}"
 
 
 @contextmanager
@@ -72,11 +85,11 @@ def start_router(run_dir: Path, *args: str, prefix: tuple[str, ...] = ()) -> int
     return int((run_dir / "router.pid").read_text())
 
 
-def stop_router(run_dir: Path, pid: int) -> None:
+def stop_router(run_dir: Path, pid: int, *, rung: str | None = "sigterm") -> None:
+    """``rolloutd router stop`` (see :func:`stop_node` for ``rung``), then nothing may remain."""
     stop = subprocess.run([*CLI, "router", "stop", "--run-dir", str(run_dir)], capture_output=True, text=True,
                           timeout=60)
-    if stop.returncode != 0 and daemon_processes(pid):
-        os.kill(pid, signal.SIGKILL)
+    _assert_stopped(stop, rung, "no router running")
     assert_daemon_gone(run_dir, pid, sockets=("router.sock", "nodes.sock"))
 
 

@@ -7,29 +7,22 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from support.waits import async_wait_until
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.server import PolicyServerConfig, PolicyServerHandle, serve_policy
 
 API_KEY = "test-key-123"
 PROMPT = [1, 464, 207, 918, 971, 34, 276, 74, 75, 207, 2, 207, 1, 580, 207]
-T = TypeVar("T")
 
 BAD_MODES = ("ok", "http500", "truncated", "no_logprobs", "short_logprobs", "hang", "disconnect",
              "unauthorized", "bad_request", "too_many", "wrong_token")
-
-
-def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-    async def bounded() -> T:
-        async with asyncio.timeout(timeout_s):
-            return await coro
-    return asyncio.run(bounded())
 
 
 @contextlib.asynccontextmanager
@@ -47,10 +40,12 @@ def max_logprob_error(prompt: list[int], result: GenerateResult) -> float:
     return float(np.abs(recomputed - result.logprobs).max())
 
 
-async def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
+WAIT_S = 10.0
+"""How long the inference tests wait for a server-side state (a request running, an abort)."""
+
+
+async def wait_until(predicate: Any, timeout_s: float = WAIT_S, what: str = "condition") -> None:
+    await async_wait_until(predicate, timeout_s, what)
 
 
 class BadServer:

@@ -19,8 +19,8 @@ import numpy as np
 
 from agent_support import API_KEY, RecordingContext, agent_context, call, reference_tokenizer
 from rolloutd.client.history_segments import HistorySegment
-from rolloutd.client.trajectory import Trajectory
-from rolloutd.client.wire import RolloutArgs, TaskRef
+from rolloutd.native_io.trajectory import Trajectory
+from rolloutd.native_io.wire import RolloutArgs, TaskRef
 from rolloutd.daemon.inference import ServerPool
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.policy.server import PolicyServerConfig, serve_policy

@@ -172,6 +172,12 @@ def test_infra_failed_samples_are_marked_so_no_trainer_learns_from_them() -> Non
     assert [o["extra_logs"]["reward_valid"] for o in openrlhf] == [1.0, 0.0]
 
 
+def test_an_installed_trainer_that_does_not_import_fails_not_skips() -> None:
+    """Only an absent trainer package skips; a broken import of an installed one is an error."""
+    with pytest.raises(ModuleNotFoundError):
+        real_module("torch.no_such_module_here")
+    with pytest.raises(pytest.skip.Exception):
+        real_module("no_such_trainer_package_here")
 def trainable_tokens(trajs: list) -> dict[str, list[int]]:
     """Per adapter, the tokens of each row its trainer would put a loss on."""
     verl_batch = to_verl_batch(trajs, tensor_type="numpy", use_trainer_class=False)

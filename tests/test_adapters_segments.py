@@ -6,7 +6,7 @@ import numpy as np
 
 from rolloutd.client.adapters.batching import collate
 from rolloutd.client.adapters.common import as_trajectory_list
-from rolloutd.client.trajectory import Trajectory, TurnRecord
+from rolloutd.native_io.trajectory import Trajectory, TurnRecord
 
 
 def rewritten() -> Trajectory:

@@ -22,6 +22,7 @@ from agent_support import (
     sandbox_python_env,
     tool_schemas,
 )
+from support.waits import async_wait_until
 from rolloutd.daemon.agents import (
     Agent,
     AgentContext,
@@ -35,6 +36,9 @@ from rolloutd.daemon.agents import (
 from rolloutd.daemon.agents.base import AgentConfig
 from rolloutd.daemon.policy.tokenizer import STRIP_THINK_TEMPLATE_PATH, load_tokenizer
 from rolloutd.native_io.errors import ConfigError, SandboxLost
+
+TURN_START_TIMEOUT_S = 10.0
+"""The reference policy starts generating a turn well within this."""
 
 
 @pytest.mark.parametrize("instance_id", ["wordwrap-001", "cliargs-009", "casing-017"])
@@ -265,7 +269,9 @@ async def test_an_aborted_turn_ends_the_trajectory_as_cancelled(short_tmp: Path)
         assert ctx.server is not None
         engine = ctx.server.engine
         run = asyncio.create_task(make_agent("codeact", {}).run(ctx))
-        await asyncio.sleep(0.3)
+        # Abort part-way: the turn has generated some tokens and not all.
+        await async_wait_until(lambda: engine.running == 1 and engine.steps >= 3, TURN_START_TIMEOUT_S,
+                               "the turn generating")
         assert engine.abort(None) == 1
         outcome = await asyncio.wait_for(run, 10)
         assert (outcome.finish_reason, outcome.num_turns, outcome.turns[0].finish_reason) == ("cancelled", 1, "abort")

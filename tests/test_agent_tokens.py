@@ -13,7 +13,8 @@ import pytest
 from tokenizers import AddedToken
 from agent_support import call, reference_tokenizer, tool_schemas
 from rolloutd.daemon.agents.content_text import ContentText
-from rolloutd.daemon.agents.tokens import ChatFraming, TokenCodec, TokenLedger, framing_for
+from rolloutd.daemon.agents.codec import TokenCodec
+from rolloutd.daemon.agents.tokens import ChatFraming, TokenLedger, framing_for
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.tokenizer import STRIP_THINK_TEMPLATE_PATH, load_tokenizer
@@ -272,7 +273,7 @@ def test_a_turn_whose_logprobs_do_not_match_its_tokens_is_refused(shape: tuple[o
 def test_a_turns_versions_reach_its_record_and_survive_the_wire() -> None:
     """What the pool learnt of a turn's weights (sent under, per-token spans, straddled) is on its
     TurnRecord, and still there after the trajectory crossed the wire."""
-    from rolloutd.client.trajectory import Trajectory
+    from rolloutd.native_io.trajectory import Trajectory
     from rolloutd.daemon.inference.base import VersionSpan
 
     ledger = ledger_for()

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-import rolloutd.daemon.tasks
 from rolloutd.daemon.agents.editor import EDITOR_REQUIRED_ARGS, insert_after, replace_once
 from rolloutd.daemon.agents.toolcalls import CODEACT_TOOLS, ToolCall, parse_tool_call
+from rolloutd.daemon.tasks.datasets import bundled_dir
 
-BUNDLED = Path(rolloutd.daemon.tasks.__file__).parent / "bundled"
+BUNDLED = bundled_dir()
 TASK_DIRS = sorted(p for p in BUNDLED.iterdir() if p.is_dir())
 
 MIN_TASKS = 22

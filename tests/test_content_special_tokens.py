@@ -23,8 +23,8 @@ from rolloutd.daemon.agents.base import make_agent
 from rolloutd.daemon.agents.content_text import CONTENT_SPECIAL_TOKENS, ContentText
 from rolloutd.daemon.agents.editor import SandboxEditor
 from rolloutd.daemon.agents.tokens import TokenLedger
-from rolloutd.daemon.config import NodeConfig, load_config
 from rolloutd.daemon.inference.base import GenerateResult
+from rolloutd.daemon.node.config import NodeConfig, load_config
 from rolloutd.daemon.openai_proxy.history import History
 from rolloutd.daemon.openai_proxy.protocol import parse_chat_request
 from rolloutd.daemon.pipeline.ended_by import ended_by
@@ -155,7 +155,7 @@ def test_a_proxy_message_holding_an_added_tokens_text_encodes_it_as_text(templat
 def editor_views(short_tmp: Path) -> Iterator[dict[str, str]]:
     """``str_replace_editor`` views (through a real local sandbox's shell) of a file holding every
     added token's text of each template's tokenizer, one per line."""
-    from inference_support import run
+    from support.loop import run
 
     async def views() -> dict[str, str]:
         lease = await open_lease(LocalBackend(short_tmp).create(SandboxSpec(ipython=False)))

@@ -26,10 +26,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import uvloop
 
 import prorl_clients as pc
 from daemon_fixtures import node_daemon
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.compat import prorl_answer
 from rolloutd.daemon.gateway.mapping import DataSources, result_json
@@ -37,6 +37,7 @@ from rolloutd.daemon.gateway.server import STOP_WITHIN_S, serve_gateway
 from rolloutd.daemon.gateway.service import GatewayConfig
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
+from rolloutd.native_io.trajectory import Trajectory
 from test_rollout_daemon import API_KEY, policy
 
 TOKEN = "prorl-test-token"
@@ -355,7 +356,7 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
     address, llm = stack
     token_file = short_tmp / "token"
     token_file.write_text(TOKEN + "\n")
-    cmd = [sys.executable, "-m", "rolloutd.daemon.cli", "gateway", "--token-file", str(token_file), "--address",
+    cmd = [sys.executable, "-m", "rolloutd.cli.main", "gateway", "--token-file", str(token_file), "--address",
            address]
     token_file.chmod(0o644)
     loose = subprocess.run([*cmd, "--bind", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
@@ -397,7 +398,7 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
             finally:
                 os.kill(node_pid, signal.SIGCONT)
 
-        took = asyncio.run(in_flight_then_sigterm())
+        took = uvloop.run(in_flight_then_sigterm())
         assert proc.returncode == 0 and took < STOP_WITHIN_S + 2, (took, proc.stderr.read())
     finally:
         if proc.poll() is None:

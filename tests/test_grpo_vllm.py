@@ -15,7 +15,7 @@ import pytest
 
 import torch
 
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.daemon.inference.tiny_model import Recompute, TinyModelSpec
 from rolloutd.daemon.tasks.filecalc import generate
 from rolloutd.native_io.errors import RolloutdError

@@ -19,7 +19,7 @@ from openai_proxy_support import (
     run_blackbox,
 )
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.wire import TaskRef
+from rolloutd.native_io.wire import TaskRef
 from test_openai_proxy_pipeline import PLAN
 from test_openai_proxy_pipeline import TASK as PIPELINE_TASK
 

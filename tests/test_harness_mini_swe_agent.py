@@ -25,7 +25,7 @@ from openai_proxy_support import (
     run_blackbox,
 )
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.wire import TaskRef
+from rolloutd.native_io.wire import TaskRef
 
 TASK = "casing-017"
 FIXED = "casing/convert.py"

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from inference_support import API_KEY, PROMPT, BadServer, max_logprob_error, policy_server, run, wait_until
+from inference_support import API_KEY, PROMPT, BadServer, max_logprob_error, policy_server, wait_until
+from support.loop import run
 
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.growing_ids import GrowingIds

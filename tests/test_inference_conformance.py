@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from inference_support import API_KEY, policy_server, run
+from inference_support import API_KEY, policy_server
+from support.loop import run
 
 from rolloutd.daemon.inference import sglang_http, vllm_http
 from rolloutd.daemon.inference.base import SamplingParams, checked_result

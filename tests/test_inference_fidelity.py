@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from inference_support import API_KEY, policy_server, run
+from inference_support import API_KEY, policy_server
+from support.loop import run
 
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.pool import ServerPool

@@ -4,7 +4,6 @@ crashing mid-run, retries that restart the whole turn, cancel, pause/resume and 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 
 import aiohttp
@@ -17,9 +16,9 @@ from inference_support import (
     max_logprob_error,
     policy_server,
     policy_server_process,
-    run,
     wait_until,
 )
+from support.loop import run
 
 from rolloutd.daemon.inference.base import GenerateResult, SamplingParams
 from rolloutd.daemon.inference.pool import ServerPool
@@ -115,7 +114,9 @@ def test_crashed_server_turns_are_retried_whole_on_another() -> None:
                 params = SamplingParams(max_tokens=30, ignore_eos=True, seed=5)
                 calls = [asyncio.create_task(pool.generate(PROMPT, params, trajectory_id=f"c{i}", timeout_s=30))
                          for i in range(4)]
-                await asyncio.sleep(0.15)  # turns on the doomed server are half way through
+                # Turns under way on the doomed server (sent and waiting for their tokens) when it dies.
+                await wait_until(lambda: {s["address"]: s["in_flight"] for s in pool.status()["servers"]}[doomed] == 2,
+                                 what="two turns on the doomed server")
                 proc.send_signal(signal.SIGKILL)
                 results = await asyncio.gather(*calls)
                 status = {s["address"]: s for s in pool.status()["servers"]}
@@ -280,8 +281,7 @@ def test_drain_lets_running_turns_finish_on_a_removed_server() -> None:
             async with await ServerPool.create([a.url, b.url], api_key=API_KEY) as pool:
                 call = asyncio.create_task(pool.generate(PROMPT, LONG, trajectory_id="d", timeout_s=30))
                 await wait_until(lambda: a.engine.running == 1)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pool.remove_server(a.url, drain_timeout_s=20)
+                await pool.remove_server(a.url, drain_timeout_s=20)
                 result = await call
         assert result.server == a.url and len(result.token_ids) == 40
     run(scenario())

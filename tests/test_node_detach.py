@@ -12,10 +12,10 @@ from pathlib import Path
 
 from daemon_fixtures import assert_daemon_gone
 
-from rolloutd.daemon.lifecycle import DEFAULT_PATH
-from rolloutd.daemon.run_lock import RunFolderLock, running_pid
+from rolloutd.cli.lifecycle import DEFAULT_PATH
+from rolloutd.cli.run_lock import RunFolderLock, running_pid
 
-NODE = [sys.executable, "-m", "rolloutd.daemon.cli", "node"]
+NODE = [sys.executable, "-m", "rolloutd.cli.main", "node"]
 
 
 def _bare_env() -> dict[str, str]:

@@ -20,7 +20,7 @@ from openai_proxy_support import (
     run_blackbox,
 )
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.wire import TaskRef
+from rolloutd.native_io.wire import TaskRef
 
 TASK = {"type": "command", "instance_id": "oa-pipe-001",
         "problem_statement": "value.py sets x to 1; it must be 2.",

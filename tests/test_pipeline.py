@@ -14,8 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from rolloutd.client.trajectory import Trajectory
-from rolloutd.client.wire import RolloutArgs, TaskRef
+from support.waits import async_wait_until
 from rolloutd.daemon.inference import ServerPool
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.policy.model import default_model
@@ -25,8 +24,14 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
 from rolloutd.native_io.errors import BadRequest, Busy
+from rolloutd.native_io.trajectory import Trajectory
+from rolloutd.native_io.wire import RolloutArgs, TaskRef
 
 API_KEY = "test-key"
+STAGE_TIMEOUT_S = 20.0
+"""A sample reaches a stage (its sandbox started, the set-up run) well within this."""
+RELEASE_TIMEOUT_S = 10.0
+"""A finished sample's sandbox goes back to the pool (reset included) well within this."""
 
 
 @asynccontextmanager
@@ -90,7 +95,8 @@ async def test_stage_limits_and_order(short_tmp: Path) -> None:
 async def test_slow_eval_does_not_delay_other_turns(short_tmp: Path) -> None:
     async with pipeline(short_tmp, PipelineLimits(init=4, run=4, eval=1)) as pipe:
         slow = asyncio.ensure_future(pipe.run_request("slow", command_args("slow", eval_script="sleep 2; echo 1")))
-        await asyncio.sleep(0.5)  # slow is evaluating now, holding the only eval slot
+        await async_wait_until(lambda: pipe.gates["eval"].in_use == 1, STAGE_TIMEOUT_S,
+                               "slow evaluating, holding the only eval slot")
         fast = await pipe.run_request("fast", command_args("fast", run=["echo turn1", "echo turn2"]))
         (slow_t,) = await slow
         (fast_t,) = fast
@@ -116,8 +122,8 @@ async def test_timeout_at_each_stage_frees_the_sandbox(short_tmp: Path, stage: s
         assert (t.finish_reason, t.ended_by) == expected, (t.finish_reason, t.error_message)
         assert t.reward == 0.0 and not t.reward_valid
         assert t.stage_s[stage] < 5
-        await asyncio.sleep(0.2)
-        assert pipe.sandboxes.stats()["leased"] == 0
+        await async_wait_until(lambda: pipe.sandboxes.stats()["leased"] == 0, RELEASE_TIMEOUT_S,
+                               "the timed-out sample's sandbox released")
 
 
 @pytest.mark.parametrize("stage", ["init", "run", "eval"])
@@ -126,21 +132,18 @@ async def test_cancel_at_each_stage_frees_the_sandbox(short_tmp: Path, stage: st
     kwargs = {"init": {"setup": slow}, "run": {"run": [slow]}, "eval": {"eval_script": f"{slow}; echo 1"}}[stage]
     async with pipeline(short_tmp, PipelineLimits()) as pipe:
         task = asyncio.ensure_future(pipe.run_request("r", command_args("t", **kwargs)))
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if pipe.gates[stage].in_use:
-                break
+        await async_wait_until(lambda: pipe.gates[stage].in_use, STAGE_TIMEOUT_S, f"the sample in its {stage} stage")
         task.cancel()
         (t,) = await asyncio.wait_for(task, 10)
         assert t.finish_reason == "cancelled" and stage in t.stage_s
-        await asyncio.sleep(0.2)
-        assert pipe.sandboxes.stats()["leased"] == 0 and pipe.admitted == 0
+        await async_wait_until(lambda: pipe.sandboxes.stats()["leased"] == 0 and pipe.admitted == 0,
+                               RELEASE_TIMEOUT_S, "the cancelled sample's sandbox released")
 
 
 async def test_busy_when_the_queue_is_full(short_tmp: Path) -> None:
     async with pipeline(short_tmp, PipelineLimits(queue=3)) as pipe:
         first = asyncio.ensure_future(pipe.run_request("a", command_args("a", run=["sleep 0.5"], n=2)))
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: pipe.admitted == 2, STAGE_TIMEOUT_S, "the first request's samples admitted")
         with pytest.raises(Busy, match="queue_limit"):
             await pipe.run_request("b", command_args("b", n=2))
         assert len(await first) == 2
@@ -211,9 +214,9 @@ async def test_who_ended_each_sample_is_said_and_only_infrastructure_is_refilled
         (broken_task,) = await pipe.run_request("t", command_args("bad-setup", setup="exit 3"))
         (zero,) = await pipe.run_request("m", command_args("scored-zero", eval_script="echo 0"))
         slow = asyncio.ensure_future(pipe.run_request("c", command_args("cancelled", run=["sleep 31"])))
-        async with asyncio.timeout(30):  # until the agent's command runs: the sample is under way
-            while not any(p.info["cmdline"] == ["sleep", "31"] for p in psutil.process_iter(["cmdline"])):
-                await asyncio.sleep(0.05)
+        await async_wait_until(  # until the agent's command runs: the sample is under way
+            lambda: any(p.info["cmdline"] == ["sleep", "31"] for p in psutil.process_iter(["cmdline"])),
+            STAGE_TIMEOUT_S, "the agent's command running", poll_s=0.05)
         slow.cancel()
         (cancelled,) = await slow
     assert (broken_task.ended_by, broken_task.error_code, broken_task.reward_valid) == ("task", "TASK", False)

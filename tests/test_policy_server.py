@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from inference_support import API_KEY, PROMPT, max_logprob_error, policy_server, run, wait_until
+from inference_support import API_KEY, PROMPT, max_logprob_error, policy_server, wait_until
+from support.loop import run
 
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.sglang_http import SGLangHTTPBackend

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from rolloutd.daemon.reaper import reap_state_dir
+from rolloutd.daemon.node.reaper import reap_state_dir
 from rolloutd.native_io.procfs import pid_alive
 
 

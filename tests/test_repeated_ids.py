@@ -17,7 +17,7 @@ import numpy as np
 
 from daemon_fixtures import node_daemon
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.daemon.tasks.datasets import oracle_plans
 
 API_KEY = "repeat-test-key"
@@ -28,7 +28,7 @@ TASKS = ("wordwrap-001", "semver-010")
 def scripted_policy(tmp: Path, *args: str) -> Iterator[str]:
     plans = tmp / "plans.json"
     plans.write_text(json.dumps({"plans": {t: oracle_plans()[t] for t in TASKS}}))
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.daemon.cli", "policy-server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli.main", "policy-server", "--port", "0",
                              "--scripted", str(plans), *args], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY})
     assert proc.stdout is not None

@@ -17,17 +17,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import uvloop
 
 from daemon_fixtures import CLI, start_nodes, start_router, stop_node, stop_router
-from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation, free_port
+from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation
+from support.net import free_port
+from support.waits import wait_until
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.client.wire import MsgType, NodeCapacity
-from rolloutd.daemon.curve import CurveClient
-from rolloutd.daemon.router_dispatch import Hints, NodeEntry, pick_node, routing_hints
+from rolloutd.daemon.router.dispatch import Hints, NodeEntry, pick_node, routing_hints
+from rolloutd.native_io.curve import CurveClient
 from rolloutd.native_io.errors import BadRequest, ConfigError, PermissionDenied, SandboxLost
+from rolloutd.native_io.wire import MsgType, NodeCapacity
 
 REPLY, ERROR = MsgType.REPLY.value, MsgType.ERROR.value
+NODE_BUSY_TIMEOUT_S = 10.0
+"""Requests sent through the router reach a ready node's workers well within this."""
+REFUSAL_TIMEOUT_S = 15.0
+"""A node started and ready tries its handshake at once; the refusal is logged as it happens."""
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +241,7 @@ def _batch(address: str, n: int, seconds: float) -> collections.Counter[str]:
         async with AsyncRolloutClient(address, timeout_s=30) as c:
             return await asyncio.gather(*(c.request("debug.sleep", {"seconds": seconds}) for _ in range(n)))
 
-    return _run_dirs([r.result for r in asyncio.run(go())])
+    return _run_dirs([r.result for r in uvloop.run(go())])
 
 
 def test_silent_node_is_dropped_its_late_answers_discarded_and_it_rejoins(short_tmp: Path) -> None:
@@ -244,7 +251,7 @@ def test_silent_node_is_dropped_its_late_answers_discarded_and_it_rejoins(short_
             ids = [f"s{i}" for i in range(8)]
             for rid in ids:
                 trainer.send(rid, "debug.sleep", {"seconds": 0.6})
-            time.sleep(0.2)
+            _wait_node_running(fed.node_dirs[0], 1)
             stalled = fed.node_pid(0)
             # Stop the node's supervisor only: its workers finish and answer into a frozen process,
             # which sends those answers once it runs again, long after the router gave up on it.
@@ -272,7 +279,8 @@ def test_drain_finishes_what_it_has_takes_nothing_new_then_resumes(short_tmp: Pa
             ids = [f"d{i}" for i in range(4)]
             for rid in ids:
                 trainer.send(rid, "debug.sleep", {"seconds": 1.0})
-            time.sleep(0.3)  # two running on each node
+            for d in fed.node_dirs:
+                _wait_node_running(d, 2)
             drain = subprocess.Popen([*CLI, "node", "drain", "--run-dir", drained, "--wait-s", "10"],
                                      stdout=subprocess.PIPE, text=True)
             _wait_state(fed, drained, "draining")
@@ -289,6 +297,13 @@ def test_drain_finishes_what_it_has_takes_nothing_new_then_resumes(short_tmp: Pa
         assert drained in _batch(fed.address, 4, 0.2), "after resume it takes work again"
     bad = subprocess.run([*CLI, "node", "drain", "--run-dir", drained], capture_output=True, text=True)
     assert bad.returncode == 2 and "no node daemon running" in bad.stderr
+
+
+def _wait_node_running(run_dir: Path, n: int) -> None:
+    """Until the node on ``run_dir`` itself (not the router's view of it) has ``n`` requests in flight."""
+    with RolloutClient(f"ipc://{run_dir}/node.sock", timeout_s=5) as node:
+        wait_until(lambda: sum(w["in_flight"] for w in node.status()["workers"]) >= n, NODE_BUSY_TIMEOUT_S,
+                   f"{n} requests on the workers of {run_dir}")
 
 
 def _wait_state(fed: Federation, run_dir: str, state: str, timeout_s: float = 10.0, busy: bool = False) -> None:
@@ -353,7 +368,11 @@ def test_tcp_needs_listed_keys_and_refuses_and_logs_the_rest(short_tmp: Path, mo
         start_nodes([rogue], *common, "--curve-secret-key-file", str(rogue_sec))
         fed = Federation(router_dir, f"ipc://{router_dir}/router.sock", [good, rogue], ())
         fed.wait_nodes(1)
-        time.sleep(0.5)  # the rogue node keeps trying
+        # A negative check needs proof that the attempt happened: the router refused the rogue's
+        # key, and the rogue is not a node.
+        rogue_key = CurveClient(rogue_sec, str(router_pub)).public.decode()
+        wait_until(lambda: rogue_key in (router_dir / "router.log").read_text(), REFUSAL_TIMEOUT_S,
+                   "the router refusing the rogue node")
         assert [n["name"].split(":", 1)[1] for n in fed.status()["nodes"]] == [str(good)]
 
         address = f"tcp://127.0.0.1:{trainer_port}"

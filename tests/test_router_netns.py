@@ -29,7 +29,7 @@ TRAINER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from router_support import RawTrainer
-from rolloutd.daemon.curve import CurveClient
+from rolloutd.native_io.curve import CurveClient
 address, server_key, secret, prefix, n, seconds = sys.argv[2:]
 trainer = RawTrainer(address, curve=CurveClient(secret, server_key))
 ids = [f"{prefix}{i}" for i in range(int(n))]

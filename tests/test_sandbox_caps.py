@@ -19,9 +19,9 @@ from caps_smoke import MEMORY_MB, WORKSPACE_MB
 from daemon_fixtures import node_daemon
 from os_users import TEST_USER, ensure_test_user
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.daemon.config import NodeConfig
-from rolloutd.daemon.run_lock import running_pid
-from rolloutd.daemon.sandbox_user import workers_dir
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.cli.run_lock import running_pid
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io.errors import SandboxLimit
 
 SCRIPT = Path(__file__).with_name("caps_smoke.py")
@@ -101,7 +101,7 @@ def test_caps_hold_for_the_sandboxes_of_a_root_daemon(short_tmp: Path) -> None:
 def test_a_root_daemons_memory_cgroups_are_removed_even_after_a_kill(short_tmp: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("only a root daemon makes a memory cgroup for its workers")
-    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1") as address:
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "1", stop_rung=None) as address:
         with RolloutClient(address) as client:
             deadline = time.monotonic() + 60  # named: until the warm sandbox is up, in its own cgroup
             while client.status()["sandboxes"]["ready"] < 1:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -24,17 +23,11 @@ from slurm_support import (
     pipes_shared_outside_session,
     read_report,
 )
+from support.net import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.unprivileged]
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "slurm_templates"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_batch_job_and_its_tasks_use_the_daemon(slurm: SlurmCluster, short_tmp: Path) -> None:

@@ -81,9 +81,9 @@ def shell_is_daemon(pid: int, run_dir: Path, uid: int) -> bool:
 
 
 def test_one_pid_rule_in_python_and_shell(short_tmp: Path) -> None:
-    """"This pid is the daemon of that run folder", asked of rolloutd.daemon.lifecycle.is_daemon
+    """"This pid is the daemon of that run folder", asked of rolloutd.cli.lifecycle.is_daemon
     and the hooks' rld_is_daemon on the same real processes: both give the expected answer."""
-    from rolloutd.daemon.lifecycle import is_daemon
+    from rolloutd.cli.lifecycle import is_daemon
 
     from os_users import ensure_test_user
 

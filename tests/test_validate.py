@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from adapters_support import build, trajectories
 
-from rolloutd.client.trajectory import Trajectory, TurnRecord
+from rolloutd.native_io.trajectory import Trajectory, TurnRecord
 from rolloutd.client.validate import trajectory_problems, validate_batch, validate_trajectory
 from rolloutd.native_io.errors import InvalidTrajectory
 

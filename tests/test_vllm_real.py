@@ -22,12 +22,12 @@ import pytest
 
 from agent_support import reference_tokenizer
 from daemon_fixtures import node_daemon
-from inference_support import run
+from support.loop import run
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.agents.base import make_agent
 from rolloutd.daemon.agents.context import SandboxAgentContext
-from rolloutd.daemon.config import NodeConfig
+from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.engine_client import EngineClientBackend
 from rolloutd.daemon.inference.factory import make_backend
@@ -38,7 +38,7 @@ from rolloutd.daemon.inference.vllm_weights import push_weights
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
-from rolloutd.daemon.sandbox_user import workers_dir
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io.errors import InferenceError
 from vllm_support import FIDELITY, Recompute, abort_until_done, perturbed_copy, tiny_model, wait_running
 

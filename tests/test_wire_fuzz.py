@@ -13,6 +13,11 @@ from hypothesis import strategies as st
 from daemon_fixtures import node_daemon
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.native_io.framing import PROTOCOL_VERSION
+from rolloutd.native_io.wire import MsgType
+
+REQUEST = bytes((MsgType.REQUEST,))
+NO_SUCH_TYPE = b"\x09"
+assert NO_SUCH_TYPE[0] not in set(MsgType)
 
 
 class RawPeer:
@@ -45,18 +50,18 @@ def test_specific_bad_messages_get_specific_errors(short_tmp: Path) -> None:
         peer = RawPeer(address)
         try:
             cases = [
-                ([b"\x01"], "BAD_REQUEST"),
-                ([b"\x01", b"\xc1not msgpack"], "BAD_REQUEST"),
-                ([b"\x09", header(id="a")], "BAD_REQUEST"),
-                ([b"\x01", msgpack.packb({"v": 99, "id": "b", "op": "status"})], "UNSUPPORTED_VERSION"),
-                ([b"\x01", header(id="c", op="no.such.op", args={})], "BAD_REQUEST"),
-                ([b"\x01", header(id="d", op="sandbox.run", args={"sandbox_id": "x", "command": 5})], "BAD_REQUEST"),
-                ([b"\x01", header(id="e", op="sandbox.run", args={"sandbox_id": "x", "command": "ls", "bogus": 1})],
+                ([REQUEST], "BAD_REQUEST"),
+                ([REQUEST, b"\xc1not msgpack"], "BAD_REQUEST"),
+                ([NO_SUCH_TYPE, header(id="a")], "BAD_REQUEST"),
+                ([REQUEST, msgpack.packb({"v": 99, "id": "b", "op": "status"})], "UNSUPPORTED_VERSION"),
+                ([REQUEST, header(id="c", op="no.such.op", args={})], "BAD_REQUEST"),
+                ([REQUEST, header(id="d", op="sandbox.run", args={"sandbox_id": "x", "command": 5})], "BAD_REQUEST"),
+                ([REQUEST, header(id="e", op="sandbox.run", args={"sandbox_id": "x", "command": "ls", "bogus": 1})],
                  "BAD_REQUEST"),
-                ([b"\x01", header(id="f", op="sandbox.run", args={"command": "ls"})], "BAD_REQUEST"),
-                ([b"\x01", header(id="", op="status")], "BAD_REQUEST"),
-                ([b"\x01", header(id="g", op="status"), b"x" * 200_000], "MESSAGE_TOO_LARGE"),
-                ([b"\x01", header(id="h", op="sandbox.run", args={"sandbox_id": "nope", "command": "ls"})],
+                ([REQUEST, header(id="f", op="sandbox.run", args={"command": "ls"})], "BAD_REQUEST"),
+                ([REQUEST, header(id="", op="status")], "BAD_REQUEST"),
+                ([REQUEST, header(id="g", op="status"), b"x" * 200_000], "MESSAGE_TOO_LARGE"),
+                ([REQUEST, header(id="h", op="sandbox.run", args={"sandbox_id": "nope", "command": "ls"})],
                  "SANDBOX_LOST"),
             ]
             named = [  # a bad value is refused naming its field, before anything runs
@@ -68,16 +73,16 @@ def test_specific_bad_messages_get_specific_errors(short_tmp: Path) -> None:
                 (header(id="m", op="rollout", args={"task": {"instance_id": "wordwrap-001"}, "infra_retries": 50}),
                  "infra_retries"),
             ]
-            cases += [([b"\x01", h], "BAD_REQUEST") for h, _ in named]
+            cases += [([REQUEST, h], "BAD_REQUEST") for h, _ in named]
             for frames, code in cases:
                 answer = peer.ask(frames)
                 assert answer is not None, f"no answer to {frames[:2]!r}"
                 assert answer[0] == 3 and answer[1]["code"] == code, (frames[:2], answer)
                 assert answer[1]["message"]
             for h, field_name in named:
-                answer = peer.ask([b"\x01", h])
+                answer = peer.ask([REQUEST, h])
                 assert answer is not None and field_name in answer[1]["message"], answer
-            ok = peer.ask([b"\x01", header(id="i", op="status", args={})])
+            ok = peer.ask([REQUEST, header(id="i", op="status", args={})])
             assert ok is not None and ok[0] == 2 and ok[1]["id"] == "i"
         finally:
             peer.close()
@@ -99,7 +104,8 @@ def test_fuzzed_frames_never_kill_the_daemon(short_tmp: Path) -> None:
                                       values, max_size=3)),
         )
         # Every type but CANCEL (4) and RELEASE (5), which are answered by silence by design.
-        types = st.sampled_from([b"", b"\x00", b"\x01", b"\x02", b"\x03", b"\x10", b"\xff", b"\x01\x01"])
+        types = st.sampled_from([b"", b"\x00", REQUEST, bytes((MsgType.REPLY,)), bytes((MsgType.ERROR,)),
+                                 bytes((MsgType.STARTED,)), b"\xff", REQUEST * 2])
 
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
         @given(types, headers, st.lists(st.binary(max_size=32), max_size=3), st.booleans())
@@ -107,7 +113,7 @@ def test_fuzzed_frames_never_kill_the_daemon(short_tmp: Path) -> None:
             frames = [type_frame] if truncated else [type_frame, head, *extra]
             answer = peer.ask(frames, timeout_s=10)
             assert answer is not None, f"no answer to {frames!r}"
-            assert answer[0] in (2, 3)
+            assert answer[0] in (MsgType.REPLY, MsgType.ERROR)
             seen["answers"] += 1
 
         try:

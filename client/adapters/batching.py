@@ -23,8 +23,8 @@ from typing import Any, Literal
 import numpy as np
 
 from rolloutd.client.adapters.common import TensorType, as_trajectory_list, masked_logprobs, tensors, trained_mask
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.trajectory import Trajectory
 
 Side = Literal["left", "right"]
 

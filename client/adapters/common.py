@@ -21,8 +21,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from rolloutd.client.history_segments import split_history_segments
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest, ConfigError, MissingDependency
+from rolloutd.native_io.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from rolloutd.client.adapters.common import (
     trainer_module,
     turn_versions,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest
+from rolloutd.native_io.trajectory import Trajectory
 
 BATCH_MODULE = "nemo_rl.distributed.batched_data_dict"
 PACKAGE = "nemo-rl"

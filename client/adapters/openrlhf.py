@@ -37,8 +37,8 @@ from rolloutd.client.adapters.common import (
     trainer_module,
     turn_versions,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest, ConfigError
+from rolloutd.native_io.trajectory import Trajectory
 
 EXPERIENCE_MODULE = "openrlhf.trainer.ppo_utils.experience"
 PACKAGE = "openrlhf"

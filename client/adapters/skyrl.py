@@ -27,8 +27,8 @@ from rolloutd.client.adapters.common import (
     trainer_module,
     turn_versions,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest
+from rolloutd.native_io.trajectory import Trajectory
 
 GENERATOR_MODULE = "skyrl.train.generators.base"
 PACKAGE = "skyrl"

@@ -35,8 +35,8 @@ from rolloutd.client.adapters.common import (
     trainer_module,
     turn_versions,
 )
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.trajectory import Trajectory
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
 PROTOCOL_MODULE = "verl.protocol"

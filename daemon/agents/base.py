@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
-from rolloutd.client.trajectory import ToolStats, TurnRecord
-from rolloutd.client.wire import ExecuteResult
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import ConfigError
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.trajectory import ToolStats, TurnRecord
+from rolloutd.native_io.wire import ExecuteResult
 
 from .content_text import check_mode
 from .toolcalls import check_tool_names

@@ -46,6 +46,7 @@ from rolloutd.daemon.openai_proxy.protocol import UNAPPLIED_MODES
 from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
 from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
 from rolloutd.native_io.errors import AgentError, ConfigError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 from .base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
 from .codeact import user_prompt
@@ -171,15 +172,15 @@ class BlackBoxAgent(Agent):
                 await asyncio.shield(_stop(proc))
                 sb.session_ids.discard(proc.pid)
             await asyncio.shield(server.close())
-        tail = _tail(folder / "harness.log", cfg.output_tail_bytes)
+        harness_tail = await asyncio.to_thread(_file_tail, folder / "harness.log", cfg.output_tail_bytes)
         assert proc is not None
         rc = proc.returncode
         finish = session.stop_reason or ("timeout" if timed_out else "completed")
         if finish == "completed" and rc != 0 and not cfg.allow_nonzero_exit:
             raise AgentError(f"the harness exited with status {rc} (allow_nonzero_exit treats that as completed); "
-                             f"its output ends with:\n{tail[-1500:]}")
+                             f"its output ends with:\n{tail(harness_tail, LOG_TAIL_CHARS)}")
         return session.outcome(finish, keep=cfg.keep_segments, metrics={
-            "harness_exit_code": rc, "harness_s": time.monotonic() - t0, "harness_output_tail": tail})
+            "harness_exit_code": rc, "harness_s": time.monotonic() - t0, "harness_output_tail": harness_tail})
 
     async def _wait(self, proc: asyncio.subprocess.Process, session: ProxySession,
                     ctx: SandboxAgentContext) -> bool:
@@ -202,7 +203,7 @@ class BlackBoxAgent(Agent):
             await asyncio.gather(exited, ended, return_exceptions=True)
 
 
-def _tail(path: Path, limit: int) -> str:
+def _file_tail(path: Path, limit: int) -> str:
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
         return f.read().decode(errors="replace")

@@ -30,8 +30,8 @@ from __future__ import annotations
 import re
 import time
 
-from rolloutd.client.trajectory import ToolStats
 from rolloutd.native_io.errors import ContextLengthExceeded, OperationTimeout, SpecialTokenInContent, TaskError
+from rolloutd.native_io.trajectory import ToolStats
 
 from .base import Agent, AgentContext, AgentOutcome, register_agent
 from .content_text import ContentText

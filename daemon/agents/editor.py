@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rolloutd.native_io.errors import ToolCallError
+from rolloutd.native_io.output import tail
 from rolloutd.native_io.pty_session import CommandResult
 
 EDITOR_REQUIRED_ARGS: dict[str, frozenset[str]] = {
@@ -175,7 +176,7 @@ class SandboxEditor:
     async def _shell(self, command: str) -> CommandResult:
         result = await self._run(command)
         if result.exit_code != 0:
-            raise ToolCallError(f"the editor's file operation failed (exit {result.exit_code}): {result.output[-500:]}")
+            raise ToolCallError(f"the editor's file operation failed (exit {result.exit_code}): {tail(result.output)}")
         return result
 
     async def _kind(self, target: str) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rolloutd.client.trajectory import ToolStats
+from rolloutd.native_io.trajectory import ToolStats
 
 from .base import Agent, AgentContext, AgentOutcome, register_agent
 

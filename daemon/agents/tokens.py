@@ -47,12 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rolloutd.client.trajectory import ToolStats, TurnRecord
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.inference.growing_ids import GrowingIds
 from rolloutd.native_io.errors import AgentError, ConfigError
+from rolloutd.native_io.trajectory import ToolStats, TurnRecord
 
 from .base import TEMPLATE_CHECKS, AgentOutcome
+from .codec import TokenCodec
 from .content_text import ContentText
 
 log = logging.getLogger(__name__)
@@ -66,25 +67,6 @@ Message = dict[str, str]
 _HEAD_CACHE_SIZE = 16
 """System messages whose ids a shared framing keeps, the most recently used (about one per agent
 configuration in use)."""
-
-
-class TokenCodec:
-    """encode/decode without special-token insertion or clean-up, through the tokenizer's Rust
-    backend when it has one (the Python wrapper adds ~40 us per call)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-
-    def encode(self, text: str) -> list[int]:
-        if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return str(self._backend.decode(ids, skip_special_tokens=False))
-        return str(self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 class ChatFraming:

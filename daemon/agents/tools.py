@@ -14,7 +14,6 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import (
     CommandTimeout,
     KernelError,
@@ -22,6 +21,7 @@ from rolloutd.native_io.errors import (
     ToolCallError,
 )
 from rolloutd.native_io.pty_session import CommandResult
+from rolloutd.native_io.wire import ExecuteResult
 
 from .base import AgentContext
 from .editor import SandboxEditor

@@ -35,7 +35,7 @@ import numpy as np
 
 from rolloutd.client.adapters.common import Decoder, hit_token_limit
 from rolloutd.client.adapters.nemo_rl import trajectory_message_log
-from rolloutd.client.trajectory import Trajectory
+from rolloutd.native_io.trajectory import Trajectory
 
 TIMEOUT = "timeout"
 

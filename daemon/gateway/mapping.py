@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from rolloutd.client.async_client import RolloutRequest
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import BadRequest, ConfigError, TaskError
+from rolloutd.native_io.trajectory import Trajectory
 
 from ..inference.base import SamplingParams
 from ..tasks.base import get_task_type

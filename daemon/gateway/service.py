@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest, RolloutResult
-from rolloutd.client.trajectory import Trajectory
 from rolloutd.native_io.errors import (
     BadRequest,
     Cancelled,
@@ -29,6 +28,7 @@ from rolloutd.native_io.errors import (
     RolloutdError,
     ShuttingDown,
 )
+from rolloutd.native_io.trajectory import Trajectory
 
 from .compat import prorl_answer
 from .mapping import DataSources, result_json, rollout_request, server_address, unstarted_trajectory

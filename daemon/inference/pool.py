@@ -33,7 +33,6 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
@@ -41,6 +40,7 @@ import numpy as np
 
 from rolloutd.daemon.inference.base import GenerateResult, InferenceBackend, SamplingParams
 from rolloutd.daemon.inference.factory import make_backend
+from rolloutd.daemon.inference.health import PoolServer, ServerHealth
 from rolloutd.native_io.errors import (
     ConfigError,
     InferenceError,
@@ -52,31 +52,27 @@ from rolloutd.native_io.errors import (
 
 logger = logging.getLogger(__name__)
 
+ABORT_TIMEOUT_S = 10.0
+"""How long a removed server's aborted calls may take to stop before it is closed anyway."""
 
-@dataclass(eq=False)
-class _Server:
-    backend: InferenceBackend
-    healthy: bool = True
-    removed: bool = False
-    in_flight: int = 0
-    dispatched: int = 0
-    completed: int = 0
-    failures: int = 0
-    last_error: str = ""
-    slow_probes: int = 0
-    """Slow health probes in a row since a call last completed here."""
-    weight_version: str = ""
-    calls: dict[str, asyncio.Task[object]] = field(default_factory=dict)
-    """Request id -> the task waiting on it (cancelled to move the turn when the server goes)."""
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    @property
-    def address(self) -> str:
-        return self.backend.address
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (by its caller or a timeout)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.removed
+
+def label_versions(result: GenerateResult, sent: str, *, straddled: bool) -> None:
+    """The versions a result holds: the server's per-token spans where it reports them, else the
+    version the call was sent under (not the one current when it came back), and whether a
+    version change fell inside the call (``straddled``: the pool's version changed meanwhile)."""
+    result.sent_version = sent
+    if result.weight_spans:
+        result.straddled = len({s.version for s in result.weight_spans}) > 1
+        return
+    result.straddled = straddled
+    if not result.weight_version:
+        result.weight_version = sent
 
 
 class ServerPool:
@@ -92,24 +88,18 @@ class ServerPool:
             raise ConfigError(f"server_wait_s must be >= 0 and slow_probes_to_remove >= 1, got "
                               f"{server_wait_s!r} and {slow_probes_to_remove!r}")
         self._server_wait_s = server_wait_s
-        self._slow_probes_to_remove = slow_probes_to_remove
-        self._usable_again = asyncio.Event()
-        """Set whenever a server becomes usable (added, or back from a failure)."""
-        self._recovery_task: asyncio.Task[None] | None = None
         self._api_key = api_key
         self._max_attempts = max_attempts
-        self._health_interval_s = health_interval_s
         self._weight_version = weight_version
         self._version_epoch = 0
         """Bumped by every :meth:`set_weight_version`: a call that sees it change straddled one."""
         self._max_sticky = max_sticky
         self._http_options = http_options or {}
-        self._servers: dict[str, _Server] = {}
+        self._servers: dict[str, PoolServer] = {}
+        self._health = ServerHealth(self._servers, health_interval_s, slow_probes_to_remove)
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._moving: set[asyncio.Task[object]] = set()
-        self._health_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def create(cls, specs: Sequence[str | InferenceBackend], keys: dict[str, str] | None = None,
@@ -141,18 +131,17 @@ class ServerPool:
             if backend is not self._servers[backend.address].backend:
                 await backend.close()
             raise ConfigError(f"{backend.address} is already in the pool")
-        server = _Server(backend=backend)
+        server = PoolServer(backend=backend)
         server.idle.set()
         self._servers[backend.address] = server
-        self._usable_again.set()
-        if self._health_task is None and self._health_interval_s > 0:
-            self._health_task = asyncio.create_task(self._health_loop(), name="inference-health")
+        self._health.server_added()
         logger.info("added %s server %s (%d in the pool)", backend.kind, backend.address, len(self._servers))
         return backend.address
 
     async def remove_server(self, address: str, *, drain_timeout_s: float = 0.0) -> None:
         """Stop sending calls to ``address``; calls still running there after
-        ``drain_timeout_s`` are cancelled and started again on other servers; then close it."""
+        ``drain_timeout_s`` are aborted and their turns started again on other servers (the
+        turns' own tasks go on undisturbed); then close it."""
         server = self._servers.get(address)
         if server is None:
             raise NotFound(f"{address} is not in the pool (servers: {sorted(self._servers)})")
@@ -166,15 +155,15 @@ class ServerPool:
             except TimeoutError:
                 logger.info("%s still has %d calls after %.1fs of draining; moving them", address,
                             server.in_flight, drain_timeout_s)
-        for task in server.calls.values():
-            self._moving.add(task)
-            task.cancel(f"rolloutd: inference server {address} was removed from the pool")
+        for call in server.calls.values():
+            call.cancel(f"rolloutd: inference server {address} was removed from the pool")
         if server.in_flight:
             try:
-                async with asyncio.timeout(10.0):
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
                     await server.idle.wait()
             except TimeoutError:
-                logger.warning("%d calls on removed server %s did not stop within 10s", server.in_flight, address)
+                logger.warning("%d calls on removed server %s did not stop within %gs (ABORT_TIMEOUT_S)",
+                               server.in_flight, address, ABORT_TIMEOUT_S)
         del self._servers[address]
         await server.backend.close()
         logger.info("removed %s (%d servers left)", address, len(self._servers))
@@ -185,13 +174,13 @@ class ServerPool:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _choose(self, trajectory_id: str) -> _Server | None:
+    def _choose(self, trajectory_id: str) -> PoolServer | None:
         address = self._sticky.get(trajectory_id)
         if address is not None:
             server = self._servers.get(address)
             if server is not None and server.usable:
                 return server
-        best: _Server | None = None
+        best: PoolServer | None = None
         for server in self._servers.values():
             # Fewest calls in flight; ties go to the server that got fewer calls so far.
             if server.usable and (best is None or (server.in_flight, server.dispatched)
@@ -207,8 +196,6 @@ class ServerPool:
                        trajectory_id: str, timeout_s: float, request_id: str | None = None) -> GenerateResult:
         """One turn of ``trajectory_id``; ``timeout_s`` is the deadline for all attempts."""
         loop = asyncio.get_running_loop()
-        current = asyncio.current_task()
-        assert current is not None
         deadline = loop.time() + timeout_s
         base_id = request_id or f"{trajectory_id}-{uuid.uuid4().hex[:12]}"
         if not self._resumed.is_set():
@@ -229,16 +216,18 @@ class ServerPool:
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
             attempt += 1
             sent, epoch = self._weight_version, self._version_epoch
-            server.calls[rid] = current
+            call = loop.create_task(server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining),
+                                    name=f"inference-{rid}")
+            server.calls[rid] = call
             server.in_flight += 1
             server.dispatched += 1
             server.idle.clear()
             try:
-                # Awaited in this task (no extra task per call): remove_server cancels this task
-                # and the handler below tells its cancel from the caller's by _moving/uncancel.
-                result = await server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining)
+                # Awaiting the call: a cancel of this turn reaches the call and waits for its abort.
+                result = await call
             except asyncio.CancelledError:
-                if current in self._moving and current.uncancel() == 0:
+                if server.removed and call.cancelled() and not _cancelling():
+                    # remove_server aborted the call, not the turn's caller: the turn moves.
                     logger.info("turn %s moved off removed server %s", rid, server.address)
                     self._sticky.pop(trajectory_id, None)
                     continue
@@ -246,17 +235,16 @@ class ServerPool:
             except (InferenceTimeout, InferenceRejected):
                 raise
             except InferenceError as e:
-                self._take_out(server, e)
+                self._health.take_out(server, e)
                 self._sticky.pop(trajectory_id, None)
                 failures.append(e)
                 continue
             finally:
-                self._moving.discard(current)
                 del server.calls[rid]
                 server.in_flight -= 1
                 if server.in_flight == 0:
                     server.idle.set()
-            self._label_versions(result, sent, epoch)
+            label_versions(result, sent, straddled=self._version_epoch != epoch)
             if result.weight_version:
                 server.weight_version = result.weight_version
             server.completed += 1
@@ -271,48 +259,14 @@ class ServerPool:
                           f"({'; '.join(str(f) for f in failures[:-1]) or 'no earlier failure'}); {why}")
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
-                                f"(pool: {self._describe()}); add servers or wait for the health check")
+                                f"(pool: {self._health.describe()}); add servers or wait for the health check")
 
-    def _label_versions(self, result: GenerateResult, sent: str, epoch: int) -> None:
-        """The versions a result holds: the server's per-token spans where it reports them, else
-        the version the call was sent under (not the one current when it came back), and whether
-        a version change fell inside the call."""
-        result.sent_version = sent
-        if result.weight_spans:
-            result.straddled = len({s.version for s in result.weight_spans}) > 1
-            return
-        result.straddled = self._version_epoch != epoch
-        if not result.weight_version:
-            result.weight_version = sent
-
-    async def _wait_for_server(self, trajectory_id: str, deadline: float) -> _Server | None:
+    async def _wait_for_server(self, trajectory_id: str, deadline: float) -> PoolServer | None:
         """A usable server once one comes back, within ``server_wait_s`` and the deadline."""
         if self._server_wait_s <= 0 or not self._servers:
             return None
-        loop = asyncio.get_running_loop()
-        until = min(deadline, loop.time() + self._server_wait_s)
-        if self._recovery_task is None or self._recovery_task.done():
-            self._recovery_task = loop.create_task(self._probe_until_usable(until), name="inference-recovery")
-        while loop.time() < until:
-            self._usable_again.clear()
-            server = self._choose(trajectory_id)
-            if server is not None:
-                return server
-            try:
-                async with asyncio.timeout_at(until):
-                    await self._usable_again.wait()
-            except TimeoutError:
-                break
-        return self._choose(trajectory_id)
-
-    async def _probe_until_usable(self, until: float) -> None:
-        """Probe the servers that are out, 0.25 s apart at first, doubling up to 5 s."""
-        loop = asyncio.get_running_loop()
-        interval = 0.25
-        while loop.time() < until and not any(s.usable for s in self._servers.values()):
-            await asyncio.sleep(min(interval, max(0.0, until - loop.time())))
-            await self.check_health()
-            interval = min(interval * 2, 5.0)
+        until = min(deadline, asyncio.get_running_loop().time() + self._server_wait_s)
+        return await self._health.wait_for(lambda: self._choose(trajectory_id), until)
 
     async def _wait_resumed(self, deadline: float, base_id: str) -> None:
         try:
@@ -322,18 +276,6 @@ class ServerPool:
             raise InferenceTimeout(f"turn {base_id} waited for the paused pool (weight update) past its "
                                    "deadline; raise timeout_s or resume the pool sooner") from e
 
-    def _take_out(self, server: _Server, error: InferenceError) -> None:
-        server.healthy = False
-        server.failures += 1
-        server.last_error = str(error)
-        logger.warning("taking %s out of the pool: %s", server.address, error)
-
-    def _describe(self) -> str:
-        if not self._servers:
-            return "empty"
-        return ", ".join(f"{s.address} {'ok' if s.usable else 'out'}"
-                         f"{': ' + s.last_error[:120] if s.last_error else ''}" for s in self._servers.values())
-
     # --- weights and control -----------------------------------------------------------------
 
     async def set_weight_version(self, version: str) -> None:
@@ -342,7 +284,7 @@ class ServerPool:
         none."""
         self._weight_version = str(version)
         self._version_epoch += 1
-        await self._on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
+        await self._health.on_all("set_weight_version", lambda s: s.backend.set_weight_version(self._weight_version))
 
     @property
     def weight_version(self) -> str:
@@ -355,79 +297,30 @@ class ServerPool:
     async def pause_all(self, mode: str = "keep") -> None:
         """Pause every server; new calls wait in the pool until :meth:`resume_all`."""
         self._resumed.clear()
-        await self._on_all("pause", lambda s: s.backend.pause(mode))
+        await self._health.on_all("pause", lambda s: s.backend.pause(mode))
 
     async def resume_all(self) -> None:
-        await self._on_all("resume", lambda s: s.backend.resume())
+        await self._health.on_all("resume", lambda s: s.backend.resume())
         self._resumed.set()
 
-    async def _on_all(self, what: str, call: Any) -> None:
-        servers = [s for s in self._servers.values() if not s.removed]
-        results = await asyncio.gather(*(call(s) for s in servers), return_exceptions=True)
-        errors = [(s, r) for s, r in zip(servers, results) if isinstance(r, BaseException)]
-        for server, error in errors:
-            if not isinstance(error, InferenceError):
-                raise error
-            self._take_out(server, error)
-        if errors:
-            raise InferenceError(f"{what} failed on {len(errors)} of {len(servers)} server(s) (taken out): "
-                                 + "; ".join(f"{s.address}: {e}" for s, e in errors))
-
     async def check_health(self) -> dict[str, bool]:
-        """Probe every server once: failing ones go out, recovered ones come back, slow ones
-        stay until they have been slow ``slow_probes_to_remove`` times in a row."""
-        servers = [s for s in self._servers.values() if not s.removed]
-        results = await asyncio.gather(*(s.backend.probe() for s in servers))
-        for server, state in zip(servers, results):
-            if state == "slow" and server.healthy:
-                server.slow_probes += 1
-                if server.slow_probes < self._slow_probes_to_remove:
-                    logger.info("%s answered its health check late (%d in a row); kept in the pool",
-                                server.address, server.slow_probes)
-                    continue
-            ok = state == "ok"
-            if ok:
-                server.slow_probes = 0
-            if ok and not server.healthy:
-                logger.info("%s passed its health check; back in the pool", server.address)
-                self._usable_again.set()
-            elif not ok and server.healthy:
-                server.last_error = "health check failed" if state == "down" else \
-                    f"health check answered late {server.slow_probes} times in a row"
-                logger.warning("%s failed its health check (%s); taken out of the pool", server.address, state)
-            server.healthy = ok
-        return {s.address: s.healthy for s in servers}
+        """Probe every server once (see :meth:`ServerHealth.check`); address -> usable."""
+        return await self._health.check()
 
     def context_limit(self) -> int | None:
         """The smallest context window a usable server reports; None when none reports one."""
-        limits = [s.backend.max_model_len for s in self._servers.values()
-                  if s.usable and s.backend.max_model_len]
-        return min(limits) if limits else None
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._health_interval_s)
-            await self.check_health()
+        return self._health.context_limit()
 
     def status(self) -> dict[str, Any]:
         return {
             "paused": self.paused,
             "weight_version": self._weight_version,
             "sticky_trajectories": len(self._sticky),
-            "servers": [{
-                "address": s.address, "kind": s.backend.kind, "healthy": s.healthy, "removed": s.removed,
-                "in_flight": s.in_flight, "dispatched": s.dispatched, "completed": s.completed,
-                "failures": s.failures, "last_error": s.last_error, "weight_version": s.weight_version,
-            } for s in self._servers.values()],
+            "servers": [s.status() for s in self._servers.values()],
         }
 
     async def close(self) -> None:
-        for name in ("_health_task", "_recovery_task"):
-            task = getattr(self, name)
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                setattr(self, name, None)
+        await self._health.close()
         servers = list(self._servers.values())
         self._servers.clear()
         await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)

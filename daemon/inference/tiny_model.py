@@ -24,6 +24,7 @@ import numpy as np
 
 from rolloutd.daemon.policy.tokenizer import DEFAULT_TOKENIZER_DIR, VOCAB_SIZE
 from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 HEAD_DIM = 64
@@ -88,7 +89,7 @@ def ensure_tiny_model(cache_dir: Path, spec: TinyModelSpec = TinyModelSpec(), *,
         cmd.append("--untied")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0 or not (dest / "config.json").exists():
-        raise ConfigError(f"building the tiny test model failed ({' '.join(cmd)}): {done.stderr[-2000:]}")
+        raise ConfigError(f"building the tiny test model failed ({' '.join(cmd)}): {tail(done.stderr, LOG_TAIL_CHARS)}")
     return dest
 
 

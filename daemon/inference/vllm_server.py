@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 WORKER_EXTENSION = "rolloutd.daemon.inference.vllm_worker_ext.WeightReload"
 READY_TIMEOUT_S = float(os.environ.get("ROLLOUTD_VLLM_READY_TIMEOUT_S", "300"))
+HEALTH_PROBE_TIMEOUT_S = 2.0
+READY_POLL_S = 0.5
+"""How often a starting server's /health is asked (vLLM takes tens of seconds to start)."""
 """A cold start takes about 60 s on 2 idle cores, several times that on busy ones."""
 
 
@@ -108,13 +111,13 @@ class VLLMServer:
             if self.process is not None and self.process.poll() is not None:
                 raise InferenceError(f"the vLLM server exited with code {self.process.returncode} before it was "
                                      f"ready; see {self.log_path or 'its output'}{self._log_tail()}")
-            if self.healthy(timeout_s=2.0):
+            if self.healthy(timeout_s=HEALTH_PROBE_TIMEOUT_S):
                 return
-            time.sleep(0.5)
+            time.sleep(READY_POLL_S)
         raise InferenceError(f"the vLLM server on port {self.port} was not ready within {timeout_s:.0f}s "
                              f"(ROLLOUTD_VLLM_READY_TIMEOUT_S){self._log_tail()}")
 
-    def healthy(self, timeout_s: float = 2.0) -> bool:
+    def healthy(self, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as resp:
                 return bool(resp.status == 200)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.client.trajectory import INFRA_KINDS, Trajectory
-from rolloutd.client.wire import RolloutArgs
 from rolloutd.native_io.errors import BadRequest, Busy, OperationTimeout, RolloutdError
+from rolloutd.native_io.trajectory import INFRA_KINDS, Trajectory
+from rolloutd.native_io.wire import RolloutArgs
 
 from ..agents.base import AgentOutcome, make_agent
 from ..agents.context import SandboxAgentContext

@@ -3,7 +3,7 @@
 - Rootless: started by an ordinary user, an instance lives in a user namespace that user owns,
   with no capability on the host. As root no flag gives that (under ``--userns`` container root
   is still host root), so the node daemon never starts sandboxes as root: its workers run as
-  ``sandbox_user`` (:mod:`rolloutd.daemon.sandbox_user`). Used directly as root, this backend
+  ``sandbox_user`` (:mod:`rolloutd.daemon.node.sandbox_user`). Used directly as root, this backend
   refuses to start unless told ``uncontained_root_ok`` (the tests); it then adds ``--userns``,
   which the default mode needs on machines that withhold a capability.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from rolloutd.native_io.errors import ConfigError, SandboxStartError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
@@ -130,7 +131,7 @@ class ApptainerSandbox(Sandbox):
             raise
         pid_text = pid_file.read_text().strip() if pid_file.exists() else ""
         if proc.returncode != 0 or not pid_text.isdigit():
-            output = start_log.read_text(errors="replace").strip()[-1500:]
+            output = tail((await asyncio.to_thread(start_log.read_text, errors="replace")).strip(), LOG_TAIL_CHARS)
             await self.stop()
             raise SandboxStartError(
                 f"apptainer instance start failed (exit {proc.returncode}) for image {self.image_path}: "

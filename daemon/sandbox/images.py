@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from rolloutd.native_io.errors import ImageError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ async def build_default_image(*, want_sif: bool = False, timeout_s: float = 900.
     if proc.returncode != 0:
         raise ImageError(
             "the default sandbox image is not built and could not be built here: "
-            f"{err.decode(errors='replace').strip()[-800:]}. Build it once as root with "
+            f"{tail(err.decode(errors='replace').strip(), LOG_TAIL_CHARS)}. Build it once as root with "
             "`scripts/build-image` (or `rolloutd image build`), or pass image=PATH to a SIF or "
             "sandbox folder, or set ROLLOUTD_CACHE_DIR to a cache that holds it."
         )

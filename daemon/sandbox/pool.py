@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rolloutd.native_io.errors import SandboxLimit, SandboxLost, SandboxStartError, SessionError
@@ -36,6 +37,11 @@ from .caps import find_breaches
 from .start_gate import StartGate, StartGateConfig
 
 log = logging.getLogger(__name__)
+
+FIRST_COMMAND_TIMEOUT_S = 10.0
+"""A new shell's first command (it loads the command path): slow only on a saturated node."""
+PROBE_TIMEOUT_S = 2.0
+"""A returned sandbox's shell must answer ``:`` this fast to be leased again."""
 
 T = TypeVar("T")
 
@@ -184,7 +190,7 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False, gate: Star
         if shell.pid is not None:
             sandbox.session_ids.add(shell.pid)
         # The first command of a new shell pays for loading the command path; pay it here.
-        await shell.run(":", timeout_s=10.0)
+        await shell.run(":", timeout_s=FIRST_COMMAND_TIMEOUT_S)
         lease.shell_start_s = time.monotonic() - t1
         if start_kernel and spec.ipython:
             await lease.start_kernel()
@@ -322,14 +328,18 @@ class WarmPool:
             self.counters["recycled_old"] += 1
             return False
         try:
-            return (await lease.shell.run(":", timeout_s=2.0)).exit_code == 0
+            return (await lease.shell.run(":", timeout_s=PROBE_TIMEOUT_S)).exit_code == 0
         except SessionError:
             return False
 
     # --- background work --------------------------------------------------------------------
 
     async def _start_one(self, spec: SandboxSpec, *, background: bool = False) -> Lease:
-        self._check_free_space(spec.limits.min_free_disk_mb)
+        try:
+            check_free_space(self.backend.state_dir, spec.limits.min_free_disk_mb)
+        except SandboxStartError:
+            self.counters["start_failures"] += 1
+            raise
         sandbox = self.backend.create(spec)
         sandbox.background = background
         try:
@@ -419,15 +429,6 @@ class WarmPool:
                         queue.remove(lease)
                 await lease.stop_sandbox()
 
-    def _check_free_space(self, needed_mb: int) -> None:
-        st = os.statvfs(self.backend.state_dir)
-        free_mb = st.f_bavail * st.f_frsize // 2**20
-        if free_mb < needed_mb:
-            self.counters["start_failures"] += 1
-            raise SandboxStartError(
-                f"no sandbox started: {self.backend.state_dir} has {free_mb} MiB free, under min_free_disk_mb="
-                f"{needed_mb}; free space there (old workspaces, logs) or move the run folder")
-
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
         for all the workers of a node, where each worker would otherwise read every process of
@@ -449,3 +450,13 @@ class WarmPool:
             "starts_waiting": self.start_gate.waiting,
             **self.counters,
         }
+
+
+def check_free_space(folder: Path, needed_mb: int) -> None:
+    """SANDBOX_START naming the folder when its disk has less than ``needed_mb`` free."""
+    st = os.statvfs(folder)
+    free_mb = st.f_bavail * st.f_frsize // 2**20
+    if free_mb < needed_mb:
+        raise SandboxStartError(
+            f"no sandbox started: {folder} has {free_mb} MiB free, under min_free_disk_mb="
+            f"{needed_mb}; free space there (old workspaces, logs) or move the run folder")

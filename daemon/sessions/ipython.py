@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rolloutd.client.wire import ExecuteResult
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
-from rolloutd.native_io.output import OutputCollector
+from rolloutd.native_io.output import LOG_TAIL_CHARS, OutputCollector, tail
 from rolloutd.native_io.spawn import Child, spawn
+from rolloutd.native_io.wire import ExecuteResult
 
 from ..sandbox.base import Sandbox
 from .jupyter_wire import KernelChannels, KernelMessage
@@ -149,7 +149,7 @@ class KernelSession:
 
     def _log_tail(self) -> str:
         try:
-            return (self.sandbox.run_dir / "kernel.log").read_text(errors="replace")[-800:]
+            return tail((self.sandbox.run_dir / "kernel.log").read_text(errors="replace"), LOG_TAIL_CHARS)
         except OSError:
             return ""
 

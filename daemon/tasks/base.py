@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SHELL_STEP_TIMEOUT_S = 30.0
+"""A shell built-in in a task's set-up (``cd``): anything longer means the shell is stuck."""
+
 
 @dataclass(frozen=True)
 class Task:

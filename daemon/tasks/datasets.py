@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,10 @@ BUNDLED = "bundled"
 
 
 def bundled_dir() -> Path:
-    return Path(str(resources.files("rolloutd.daemon.tasks") / "bundled"))
+    """The bundled task set: data beside the code packages, ``bundled_tasks/`` in the source tree
+    and ``rolloutd/bundled_tasks/`` once installed; each ``rolloutd.X`` lives in folder ``X/``
+    (pyproject's package-dir), so the same relative path finds it in both."""
+    return Path(__file__).resolve().parents[2] / "bundled_tasks"
 
 
 @functools.cache

@@ -16,11 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rolloutd.native_io.errors import SandboxError
+from rolloutd.native_io.output import tail
 
 if TYPE_CHECKING:
     from ..sandbox.pool import Lease
 
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+COPY_TIMEOUT_S = 300.0
+"""A task's repository copied by the sandbox's shell."""
+WRITE_TIMEOUT_S = 60.0
+"""One file written or read through the sandbox's shell (base64 through the PTY)."""
 
 
 def host_path(lease: "Lease", inside: str) -> Path | None:
@@ -39,17 +44,18 @@ async def copy_tree_in(lease: "Lease", source: Path, inside: str) -> None:
     seen = lease.sandbox.visible_path(source)
     if seen is not None:
         r = await lease.run(f"mkdir -p {shlex.quote(inside)} && cp -R --preserve=mode,timestamps,links "
-                            f"{shlex.quote(seen)}/. {shlex.quote(inside)}", timeout_s=300)
+                            f"{shlex.quote(seen)}/. {shlex.quote(inside)}", timeout_s=COPY_TIMEOUT_S)
         if r.exit_code != 0:
-            raise SandboxError(f"cannot copy {source} into {inside} in sandbox {lease.id}: {r.output[-500:]}")
+            raise SandboxError(f"cannot copy {source} into {inside} in sandbox {lease.id}: {tail(r.output)}")
         return
     target = host_path(lease, inside)
     if target is not None:
         await asyncio.to_thread(shutil.copytree, source, target, ignore=IGNORED, dirs_exist_ok=True, symlinks=True)
         return
-    files = [p for p in sorted(source.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    files = await asyncio.to_thread(
+        lambda: [p for p in sorted(source.rglob("*")) if p.is_file() and "__pycache__" not in p.parts])
     for path in files:
-        await write_file(lease, f"{inside}/{path.relative_to(source).as_posix()}", path.read_bytes())
+        await write_file(lease, f"{inside}/{path.relative_to(source).as_posix()}", await asyncio.to_thread(path.read_bytes))
 
 
 async def write_file(lease: "Lease", inside: str, data: bytes) -> None:
@@ -64,9 +70,9 @@ async def write_file(lease: "Lease", inside: str, data: bytes) -> None:
     encoded = base64.b64encode(data).decode()
     quoted = shlex.quote(inside)
     r = await lease.run(f"mkdir -p \"$(dirname {quoted})\" && base64 -d > {quoted} <<'RLD_EOF'\n{encoded}\nRLD_EOF",
-                        timeout_s=60)
+                        timeout_s=WRITE_TIMEOUT_S)
     if r.exit_code != 0:
-        raise SandboxError(f"cannot write {inside} in sandbox {lease.id}: {r.output[-500:]}")
+        raise SandboxError(f"cannot write {inside} in sandbox {lease.id}: {tail(r.output)}")
 
 
 async def read_file(lease: "Lease", inside: str, *, max_bytes: int) -> bytes | None:
@@ -85,11 +91,12 @@ async def read_file(lease: "Lease", inside: str, *, max_bytes: int) -> bytes | N
         data = await asyncio.to_thread(read)
     else:
         quoted = shlex.quote(inside)
-        r = await lease.run(f"test -f {quoted} || exit 3; head -c {max_bytes + 1} {quoted} | base64 -w0", timeout_s=60)
+        r = await lease.run(f"test -f {quoted} || exit 3; head -c {max_bytes + 1} {quoted} | base64 -w0",
+                            timeout_s=WRITE_TIMEOUT_S)
         if r.exit_code == 3:
             return None
         if r.exit_code != 0:
-            raise SandboxError(f"cannot read {inside} in sandbox {lease.id}: {r.output[-500:]}")
+            raise SandboxError(f"cannot read {inside} in sandbox {lease.id}: {tail(r.output)}")
         data = base64.b64decode(r.output.strip())
     if data is not None and len(data) > max_bytes:
         raise SandboxError(f"{inside} in sandbox {lease.id} is over {max_bytes} bytes")

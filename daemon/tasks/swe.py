@@ -32,14 +32,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutd.native_io.errors import TaskError
+from rolloutd.native_io.output import tail
 
-from .base import EvalResult, Task, TaskType, require
+from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
 from .sandbox_files import IGNORED, copy_tree_in, read_file, write_file
 
 if TYPE_CHECKING:
     from ..sandbox.pool import Lease
 
 REPO_FOLDER = "repo"
+GIT_CHECKOUT_TIMEOUT_S = 300.0
+"""A checkout of ``base_commit`` in a large repository, with ``git clean``."""
+GIT_APPLY_TIMEOUT_S = 60.0
+GIT_DIFF_TIMEOUT_S = 60.0
+"""The agent's change as a patch (``git add -A && git diff``), before the evaluation."""
 IGNORED_PARTS = frozenset({"__pycache__", ".pytest_cache"})
 """Folders the template copy leaves out (``sandbox_files.IGNORED``), so they do not change its key."""
 REPORT_PLUGIN = Path(__file__).with_name("pytest_report.py")
@@ -115,7 +121,7 @@ class SweTaskType(TaskType):
         async with self._template_locks.setdefault(str(folder), asyncio.Lock()):
             if not folder.exists():
                 staging = folder.with_name(REPO_FOLDER + ".partial")
-                shutil.rmtree(staging, ignore_errors=True)
+                await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
                 await asyncio.to_thread(_build_template, task.record, staging)
                 staging.rename(folder)
         return folder
@@ -127,13 +133,13 @@ class SweTaskType(TaskType):
             if rec.get("base_commit"):
                 commit = shlex.quote(rec["base_commit"])
                 r = await lease.run(f"cd {shlex.quote(workdir)} && git checkout -q -f {commit} && git clean -fdq",
-                                    timeout_s=300)
+                                    timeout_s=GIT_CHECKOUT_TIMEOUT_S)
                 if r.exit_code != 0:
-                    raise TaskError(f"task {task.instance_id}: cannot check out {rec['base_commit']}: {r.output[-500:]}")
+                    raise TaskError(f"task {task.instance_id}: cannot check out {rec['base_commit']}: {tail(r.output)}")
         else:
             workdir = f"{lease.sandbox.workspace_inside}/{REPO_FOLDER}"
             await copy_tree_in(lease, await self._template(task, cache_dir), workdir)
-        r = await lease.run(f"cd {shlex.quote(workdir)}", timeout_s=30)
+        r = await lease.run(f"cd {shlex.quote(workdir)}", timeout_s=SHELL_STEP_TIMEOUT_S)
         if r.exit_code != 0:
             raise TaskError(f"task {task.instance_id}: working folder {workdir} is missing in the sandbox")
         return workdir
@@ -142,7 +148,7 @@ class SweTaskType(TaskType):
         # The agent's change, taken before the evaluation's files and test patch go in (trainers
         # and the published server's clients read it as ``git_patch``).
         diff = await lease.run(f"cd {shlex.quote(workdir)} && git add -A && git diff --cached --no-color HEAD -- . "
-                               "':(exclude)*.pyc'", timeout_s=60)
+                               "':(exclude)*.pyc'", timeout_s=GIT_DIFF_TIMEOUT_S)
         result = await self._grade(task, lease, workdir, timeout_s=timeout_s)
         result.details["git_patch"] = diff.output if diff.exit_code == 0 and not diff.truncated else None
         return result
@@ -154,10 +160,14 @@ class SweTaskType(TaskType):
         if "eval_dir" in rec:
             await copy_tree_in(lease, Path(rec["eval_dir"]), workdir)
         if rec.get("test_patch"):
-            await write_file(lease, "/tmp/rolloutd-test.patch", rec["test_patch"].encode())
-            r = await lease.run(f"cd {shlex.quote(workdir)} && git apply /tmp/rolloutd-test.patch", timeout_s=60)
+            # In the lease's own run folder: a fixed /tmp path is shared by every sandbox of the
+            # local backend, so concurrent evaluations would apply each other's patches.
+            patch = f"{lease.sandbox.run_dir_inside}/test.patch"
+            await write_file(lease, patch, rec["test_patch"].encode())
+            r = await lease.run(f"cd {shlex.quote(workdir)} && git apply {shlex.quote(patch)}",
+                                timeout_s=GIT_APPLY_TIMEOUT_S)
             if r.exit_code != 0:
-                return EvalResult(0.0, {"error": f"test patch does not apply: {r.output[-500:]}"})
+                return EvalResult(0.0, {"error": f"test patch does not apply: {tail(r.output)}"})
         f2p, p2p = rec["FAIL_TO_PASS"], rec.get("PASS_TO_PASS", [])
         # Whole files, not ids: pytest splits an argument at every "::", inside brackets too.
         files = " ".join(shlex.quote(f) for f in sorted({t.split("::", 1)[0] for t in [*f2p, *p2p]}))
@@ -188,7 +198,7 @@ def _outcomes(raw: bytes | None, task: Task, output: str) -> dict[str, str]:
     """Canonical node id -> outcome, from the plugin's report."""
     if raw is None:
         raise TaskError(f"task {task.instance_id}: its test command wrote no report (it must be pytest, which "
-                        f"gets -p {PLUGIN_MODULE}); its output ends: {output[-500:]}")
+                        f"gets -p {PLUGIN_MODULE}); its output ends: {tail(output)}")
     try:
         outcomes = json.loads(raw)["outcomes"]
     except (ValueError, KeyError, TypeError) as e:

@@ -9,27 +9,14 @@ import dataclasses
 import json
 import os
 import stat
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rolloutd.native_io.errors import BadRequest, ConfigError
-
-from .sandbox.base import SandboxLimits
-
-SOCKET_PATH_MAX = 100
-"""sun_path holds 108 bytes on Linux; keep a margin for suffixes."""
-
-
-def default_run_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/rolloutd`` when that exists and is ours, else ``/tmp/rolloutd-$UID``."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
-        return Path(xdg) / "rolloutd"
-    return Path(f"/tmp/rolloutd-{os.getuid()}")
-
+from rolloutd.daemon.common.config import load_typed_config
+from rolloutd.daemon.sandbox.base import SandboxLimits
+from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.run_dir import SOCKET_PATH_MAX, default_run_dir
 
 SECRET_FILE_MAX_BYTES = 4096
 
@@ -224,51 +211,10 @@ class NodeConfig:
         return cls(**json.loads(text))
 
 
-def _coerce_env(tp: Any, raw: str, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    try:
-        if tp is bool:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if tp is int:
-            return int(raw)
-        if tp is float:
-            return float(raw)
-        if origin is list:
-            return [x for x in raw.split(",") if x]
-        return raw
-    except ValueError as e:
-        raise ConfigError(f"{name}={raw!r} is not a valid {getattr(tp, '__name__', tp)}") from e
-
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None, *, config_cls: type = NodeConfig,
-                env_prefix: str = "ROLLOUTD_") -> Any:
-    """Defaults, then the TOML file (``path`` or ``$<prefix>CONFIG``), then env, then ``overrides``.
-
-    ``config_cls`` is NodeConfig, or another config dataclass (the router's, with its own prefix).
-    """
-    from rolloutd.client.wire import from_fields
-
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    path = path or env.get(f"{env_prefix}CONFIG")
-    if path:
-        try:
-            with open(path, "rb") as f:
-                values.update(tomllib.load(f))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from e
-    hints = typing.get_type_hints(config_cls)
-    for f in dataclasses.fields(config_cls):
-        key = f"{env_prefix}{f.name.upper()}"
-        if key in env:
-            values[f.name] = _coerce_env(hints[f.name], env[key], key)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    try:
-        return from_fields(config_cls, values, where=config_cls.__name__.replace("Config", " config").lower())
-    except BadRequest as e:
-        raise ConfigError(str(e)) from e
+                environ: dict[str, str] | None = None) -> NodeConfig:
+    """The node's configuration: defaults < TOML file (``path`` or ``$ROLLOUTD_CONFIG``) <
+    ``ROLLOUTD_*`` variables < ``overrides``."""
+    config: NodeConfig = load_typed_config(NodeConfig, "ROLLOUTD_", path, overrides, environ)
+    return config

@@ -25,9 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.native_io.errors import ConfigError
-
-from .config import NodeConfig
 
 
 @dataclass(frozen=True)

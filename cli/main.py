@@ -12,24 +12,24 @@ from typing import TYPE_CHECKING, Any
 from rolloutd.native_io.errors import RolloutdError
 
 if TYPE_CHECKING:
-    from .config import NodeConfig
+    from rolloutd.daemon.node.config import NodeConfig
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from rolloutd.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
-    from .sandbox.images import build_default_image
+    from rolloutd.daemon.sandbox.images import build_default_image
 
     print(asyncio.run(build_default_image(want_sif=args.sif)))
     return 0
 
 
 def _node_config(args: argparse.Namespace) -> "NodeConfig":
-    from .config import NodeConfig, load_config
+    from rolloutd.daemon.node.config import NodeConfig, load_config
 
     if getattr(args, "config_from_env", False):
         import os
@@ -51,13 +51,11 @@ def _node_config(args: argparse.Namespace) -> "NodeConfig":
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    from . import node
+    from rolloutd.cli import node
 
     config = _node_config(args)
     if args.node_command == "drain":
-        from .router_link import drain_node
-
-        return drain_node(config, resume=args.resume, wait_s=args.wait_s)
+        return node.drain(config, resume=args.resume, wait_s=args.wait_s)
     if args.node_command == "check":
         print(f"node settings accepted: backend {config.backend}, {config.worker_count} workers, "
               f"{len(config.inference_servers)} inference servers")
@@ -66,7 +64,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 
 def _lifecycle(module: Any, config: Any, args: argparse.Namespace, command: str) -> int:
-    """start/stop/status of a daemon whose ``module`` is ``node`` or ``router_process``."""
+    """start/stop/status of a daemon whose ``module`` is ``node`` or ``router``."""
     pidfile = module.pidfile_path(config, args.pidfile)
     if command == "start":
         if args.detach:
@@ -131,16 +129,16 @@ def _add_node_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
 def _cmd_router(args: argparse.Namespace) -> int:
     import os
 
-    from . import router_process
-    from .router_config import RouterConfig, load_router_config
+    from rolloutd.cli import router
+    from rolloutd.daemon.router.config import RouterConfig, load_router_config
 
     if getattr(args, "config_from_env", False):
-        config = RouterConfig.from_json(os.environ[router_process.CONFIG_ENV])
+        config = RouterConfig.from_json(os.environ[router.CONFIG_ENV])
     else:
         names = ("run_dir", "tcp_bind", "node_bind", "curve_secret_key_file", "client_keys_dir", "node_keys_dir",
                  "heartbeat_interval_s", "heartbeat_timeout_s", "log_level")
         config = load_router_config(args.config, {k: getattr(args, k, None) for k in names})
-    return _lifecycle(router_process, config, args, args.router_command)
+    return _lifecycle(router, config, args, args.router_command)
 
 
 def _add_router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -177,7 +175,7 @@ def _add_router_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .curve import keygen
+    from rolloutd.native_io.curve import keygen
 
     public, secret = keygen(Path(args.dir), args.name)
     print(f"public key {public}  (give it to the peers: their allowed-keys folder, or their server key)")
@@ -229,11 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["policy-server"]:
         # Its own parser owns every flag, --help included.
-        from .policy.server import main as policy_main
+        from rolloutd.daemon.policy.server import main as policy_main
 
         return policy_main(argv[1:])
     if argv[:1] == ["gateway"]:
-        from .gateway.server import main as gateway_main
+        from rolloutd.daemon.gateway.server import main as gateway_main
 
         return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)

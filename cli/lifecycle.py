@@ -29,13 +29,20 @@ from typing import Any
 import psutil
 import uvloop
 
+from rolloutd.cli.run_lock import RunFolderLock, running_pid
+from rolloutd.client.sync_client import RolloutClient
 from rolloutd.native_io.errors import DaemonRunning, DaemonUnavailable, PermissionDenied, RolloutdError
-
 from rolloutd.native_io.procfs import pid_alive
 
-from .run_lock import RunFolderLock, running_pid
-
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PROBE_TIMEOUT_S = 2.0
+"""One readiness probe of a starting daemon (a status request on its ipc socket)."""
+STATUS_TIMEOUT_S = 5.0
+"""``rolloutd node|router status``: a running daemon answers status at once, even when busy."""
+KILLED_GONE_TIMEOUT_S = 5.0
+"""After SIGKILL, how long the process may take to disappear."""
+POLL_S = 0.05
+"""How often the command line looks again at a daemon it waits for."""
 
 
 @dataclass(frozen=True)
@@ -142,12 +149,10 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
         proc = subprocess.Popen(
             # --run-dir is ignored with --config-from-env: it is there so the command line names
             # the run folder (is_daemon).
-            [sys.executable, "-m", "rolloutd.daemon.cli", d.command, "start", "--run-dir",
+            [sys.executable, "-m", "rolloutd.cli.main", d.command, "start", "--run-dir",
              os.path.abspath(d.run_path), "--pidfile", str(d.pidfile), "--config-from-env"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, close_fds=True,
         )
-    from rolloutd.client.sync_client import RolloutClient
-
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -160,14 +165,14 @@ def start_detached(d: DaemonProcess, log_path: Path, ready_timeout_s: float,
                                 f"log {log_path}:\n{tail(log_path)}")
         if d.socket_path.exists():
             try:
-                with RolloutClient(d.address, timeout_s=2.0) as client:
+                with RolloutClient(d.address, timeout_s=PROBE_TIMEOUT_S) as client:
                     answering = client.status()["pid"]
                 if answering == proc.pid:  # not another daemon that won the run folder
                     print(d.address, flush=True)
                     return 0
             except RolloutdError:
                 pass
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     _abort_start(proc, d, cleanup)
     raise RolloutdError(f"the {d.what} (pid {proc.pid}) did not answer within {ready_timeout_s} s "
                         f"(--ready-timeout-s); log {log_path}:\n{tail(log_path)}")
@@ -198,7 +203,7 @@ def stop_ladder(pid: int, timeout_s: float) -> str:
         for child in psutil.Process(pid).children(recursive=True):
             child.kill()
         os.kill(pid, signal.SIGKILL)
-    wait_gone(pid, 5.0)
+    wait_gone(pid, KILLED_GONE_TIMEOUT_S)
     return "sigkill"
 
 
@@ -210,16 +215,14 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
                 return True
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     return False
 
 
 def show_status(address: str, as_json: bool, describe: Callable[[dict[str, Any]], None]) -> int:
     """Print the running daemon's status (JSON, or ``describe``'s lines); 3 when there is none."""
-    from rolloutd.client.sync_client import RolloutClient
-
     try:
-        with RolloutClient(address, timeout_s=5.0) as client:
+        with RolloutClient(address, timeout_s=STATUS_TIMEOUT_S) as client:
             st = client.status()
     except DaemonUnavailable as e:
         print(str(e), file=sys.stderr)

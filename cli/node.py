@@ -8,21 +8,28 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-
+from rolloutd.cli import lifecycle
+from rolloutd.cli.lifecycle import DaemonProcess, daemon_pid
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.reaper import reap_state_dir
+from rolloutd.daemon.node.router_link import DRAIN_SIGNAL, RESUME_SIGNAL, read_state
+from rolloutd.daemon.node.sandbox_user import workers_dir
+from rolloutd.daemon.node.supervisor import Supervisor
+from rolloutd.daemon.sandbox import cgroups
 from rolloutd.native_io import shm
-
-from . import lifecycle
-from .config import NodeConfig
-from .lifecycle import DaemonProcess, daemon_pid
-from .reaper import reap_state_dir
-from .sandbox import cgroups
-from .sandbox_user import workers_dir
-from .supervisor import Supervisor
+from rolloutd.native_io.errors import RolloutdError
 
 log = logging.getLogger(__name__)
+DRAIN_CONFIRM_TIMEOUT_S = 10.0
+"""A node confirms a drain or resume signal in its link state file within its next heartbeat."""
+DRAIN_POLL_S = 0.2
+"""How often ``node drain --wait-s`` asks the node whether it is empty."""
 
 
 def pidfile_path(config: NodeConfig, pidfile: str | None) -> Path:
@@ -87,3 +94,35 @@ def _describe(st: dict[str, Any]) -> None:
               f"gen {w['generation']} in flight {w['in_flight']}")
     for k, v in st.get("pipeline", {}).items():
         print(f"  stage {k}: {v}")
+
+
+def drain(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
+    """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
+    pid = daemon_pid(config.run_path, "node")
+    state = read_state(config.run_path)
+    if pid is None:
+        raise RolloutdError(f"no node daemon running for {config.run_path}")
+    if state is None or state.get("pid") != pid:
+        raise RolloutdError(f"the node daemon (pid {pid}) has no router link; it was started without --router")
+    os.kill(pid, RESUME_SIGNAL if resume else DRAIN_SIGNAL)
+    deadline = time.monotonic() + DRAIN_CONFIRM_TIMEOUT_S
+    while (state or {}).get("draining") != (not resume):
+        if time.monotonic() > deadline:
+            raise RolloutdError(f"node pid {pid} did not confirm within {DRAIN_CONFIRM_TIMEOUT_S:g} s; see its log")
+        time.sleep(lifecycle.POLL_S)
+        state = read_state(config.run_path)
+    print(f"node {state['identity'] if state else pid} {'takes work again' if resume else 'is draining'}")
+    if resume or wait_s <= 0:
+        return 0
+    deadline = time.monotonic() + wait_s
+    with RolloutClient(config.address, timeout_s=lifecycle.STATUS_TIMEOUT_S) as client:
+        while True:
+            st = client.status()
+            if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
+                print("drained: no request in flight, no sandbox leased")
+                return 0
+            if time.monotonic() > deadline:
+                print(f"still busy after {wait_s} s: {st['in_flight']} request(s), "
+                      f"{st['sandboxes']['leased']} sandbox(es) leased", file=sys.stderr)
+                return 1
+            time.sleep(DRAIN_POLL_S)

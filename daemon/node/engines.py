@@ -20,11 +20,11 @@ import signal
 import sys
 from pathlib import Path
 
+from rolloutd.daemon.inference.engine_client import SPEC_PREFIX
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_user import SandboxUser
 from rolloutd.native_io.errors import ConfigError, InferenceError
-
-from .config import NodeConfig
-from .inference.engine_client import SPEC_PREFIX
-from .sandbox_user import SandboxUser
+from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class NodeEngines:
     def _python(self) -> str:
         if importlib.util.find_spec("vllm") is not None:
             return sys.executable
-        from .inference.vllm_server import vllm_python
+        from rolloutd.daemon.inference.vllm_server import vllm_python
 
         return vllm_python()
 
@@ -75,9 +75,9 @@ class NodeEngines:
             if not line.startswith("READY "):
                 why = (f"exited with {proc.returncode}" if proc.returncode is not None else
                        f"did not start within {timeout_s:.0f}s (inference_engine_ready_timeout_s)")
-                tail = log_path.read_text(errors="replace").splitlines()[-10:]
-                raise InferenceError(f"the node's vLLM engine for {model} {why}; its log {log_path}:\n"
-                                     + "\n".join(tail))
+                text = await asyncio.to_thread(log_path.read_text, errors="replace")
+                raise InferenceError(f"the node's vLLM engine for {model} {why}; its log {log_path} ends:\n"
+                                     + tail(text, LOG_TAIL_CHARS))
             if self.workers_user is not None:
                 os.chown(socket_path, self.workers_user.uid, self.workers_user.gid)
             specs[i] = f"{SPEC_PREFIX}ipc://{socket_path}"

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.client.wire import PINNED_OPS, NodeCapacity
 from rolloutd.native_io.errors import BadRequest
+from rolloutd.native_io.wire import PINNED_OPS, NodeCapacity
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,18 @@ import json
 import logging
 import os
 import signal
-import sys
 import socket
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from rolloutd.client.wire import (
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.native_io import framing
+from rolloutd.native_io.curve import CurveClient, watch_handshakes
+from rolloutd.native_io.errors import RolloutdError
+from rolloutd.native_io.wire import (
     MsgType,
     NodeBye,
     NodeCapacity,
@@ -39,14 +41,8 @@ from rolloutd.client.wire import (
     node_message,
     parse_node_message,
 )
-from rolloutd.native_io import framing
-from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import make_socket
-
-from .config import NodeConfig
-from .curve import CurveClient, watch_handshakes
-from .lifecycle import daemon_pid
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +63,7 @@ def capacity_report(supervisor: Any) -> NodeCapacity:
     the ready workers' pipelines. ``images``: the warm image, while sandboxes of it are ready.
     """
     config: NodeConfig = supervisor.config
-    ready = [w for w in supervisor.workers.values() if w.ready]
+    ready = [w for w in supervisor.workers if w.ready]
     slots = config.router_slots or (config.init_concurrency + config.run_concurrency + config.eval_concurrency)
     free: dict[str, int] = {}
     warm = 0
@@ -75,7 +71,7 @@ def capacity_report(supervisor: Any) -> NodeCapacity:
         warm += int(w.stats.get("pool", {}).get("ready", 0))
         for stage, st in w.stats.get("pipeline", {}).get("stages", {}).items():
             free[stage] = free.get(stage, 0) + max(0, int(st["limit"]) - int(st["in_use"]) - int(st["waiting"]))
-    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.pending),
+    return NodeCapacity(slots=slots if ready else 0, workers_ready=len(ready), in_flight=len(supervisor.flow.book),
                         free=free, images=[config.image] if warm else [])
 
 
@@ -152,7 +148,7 @@ class RouterLink:
         if frames and len(frames[0]) == 0:
             self._on_membership(frames[1:])
         else:
-            self.supervisor._on_client_message(self.sock, frames, True)
+            self.supervisor.on_client_message(self.sock, frames, True)
 
     def _on_membership(self, frames: list[Any]) -> None:
         try:
@@ -180,9 +176,10 @@ class RouterLink:
             log.debug("router not reachable: %s", e)
 
     async def _run(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not all(w.ready for w in self.supervisor.workers.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        # Registering before any worker is ready would only offer 0 slots; past the timeout the
+        # node registers anyway, so the router knows it exists.
+        with contextlib.suppress(RolloutdError):
+            await self.supervisor.workers.wait_ready(READY_TIMEOUT_S)
         while True:
             self._wake.clear()
             if self._state_dirty:
@@ -225,36 +222,3 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
         return None
     return state if isinstance(state, dict) else None
 
-
-def drain_node(config: NodeConfig, *, resume: bool, wait_s: float) -> int:
-    """``rolloutd node drain [--resume] [--wait-s S]``: signal the node, wait for the router to know."""
-    pid = daemon_pid(config.run_path, "node")
-    state = read_state(config.run_path)
-    if pid is None:
-        raise RolloutdError(f"no node daemon running for {config.run_path}")
-    if state is None or state.get("pid") != pid:
-        raise RolloutdError(f"the node daemon (pid {pid}) has no router link; it was started without --router")
-    os.kill(pid, RESUME_SIGNAL if resume else DRAIN_SIGNAL)
-    deadline = time.monotonic() + 10.0
-    while (state or {}).get("draining") != (not resume):
-        if time.monotonic() > deadline:
-            raise RolloutdError(f"node pid {pid} did not confirm within 10 s; see its log")
-        time.sleep(0.05)
-        state = read_state(config.run_path)
-    print(f"node {state['identity'] if state else pid} {'takes work again' if resume else 'is draining'}")
-    if resume or wait_s <= 0:
-        return 0
-    from rolloutd.client.sync_client import RolloutClient
-
-    deadline = time.monotonic() + wait_s
-    with RolloutClient(config.address, timeout_s=10.0) as client:
-        while True:
-            st = client.status()
-            if st["in_flight"] == 0 and st["sandboxes"]["leased"] == 0:
-                print("drained: no request in flight, no sandbox leased")
-                return 0
-            if time.monotonic() > deadline:
-                print(f"still busy after {wait_s} s: {st['in_flight']} request(s), "
-                      f"{st['sandboxes']['leased']} sandbox(es) leased", file=sys.stderr)
-                return 1
-            time.sleep(0.2)

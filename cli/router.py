@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import lifecycle
-from .lifecycle import DaemonProcess, daemon_pid
-from .router import Router
-from .router_config import RouterConfig
+from rolloutd.cli import lifecycle
+from rolloutd.cli.lifecycle import DaemonProcess, daemon_pid
+from rolloutd.daemon.router.config import RouterConfig
+from rolloutd.daemon.router.router import Router
 
 CONFIG_ENV = "ROLLOUTD_ROUTER_CONFIG_JSON"
 

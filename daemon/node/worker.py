@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -27,8 +28,16 @@ import numpy as np
 import psutil
 import uvloop
 
-from rolloutd.client.trajectory import pack_batch
-from rolloutd.client.wire import (
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
+from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
+from rolloutd.daemon.sandbox.pool import WarmPool
+from rolloutd.daemon.sandbox.select import make_backend
+from rolloutd.native_io import framing, shm
+from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
+from rolloutd.native_io.trajectory import pack_batch
+from rolloutd.native_io.unix_link import UnixLink
+from rolloutd.native_io.wire import (
     MakeArraysArgs,
     PINNED_OPS,
     MsgType,
@@ -41,16 +50,6 @@ from rolloutd.client.wire import (
     parse_args,
     to_fields,
 )
-from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
-from rolloutd.native_io.unix_link import UnixLink
-
-from .config import NodeConfig
-from .pipeline.rollout import PipelineLimits, RolloutPipeline
-
-from .sandbox.base import SandboxBackend, SandboxSpec
-from .sandbox.pool import WarmPool
-from .sandbox.select import make_backend
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +102,8 @@ class Worker:
             self.link.send(framing.encode(msg_type, header, buffers))
 
     async def _start_pipeline(self) -> None:
-        from .inference import ServerPool
-        from .policy.tokenizer import load_tokenizer
+        from rolloutd.daemon.inference import ServerPool
+        from rolloutd.daemon.policy.tokenizer import load_tokenizer
 
         cfg = self.config
         share = max(1, cfg.worker_count)
@@ -308,6 +307,22 @@ def _plain(details: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the supervisor dies, even by SIGKILL, so no worker outlives it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError as e:
+        log.warning("no C library to set PR_SET_PDEATHSIG (%s): this worker may outlive a killed supervisor, "
+                    "whose `rolloutd node stop` still ends it", e)
+        return
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        err = ctypes.get_errno()
+        raise RolloutdError(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)} (errno {err})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="rolloutd worker (started by the node supervisor)")
     p.add_argument("--index", type=int, required=True)
@@ -318,11 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = NodeConfig.from_json(os.environ.pop("ROLLOUTD_NODE_CONFIG_JSON"))  # sandboxes never inherit it
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
-    # Die with the supervisor even if it is killed with SIGKILL (no orphaned workers).
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _die_with_parent()
     worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix)
     t0 = time.monotonic()
     uvloop.run(worker.serve())

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutd.daemon.common.config import load_typed_config
 from rolloutd.native_io.errors import ConfigError
-
-from .config import SOCKET_PATH_MAX, default_run_dir, load_config
+from rolloutd.native_io.run_dir import SOCKET_PATH_MAX, default_run_dir
 
 ENV_PREFIX = "ROLLOUTD_ROUTER_"
 
@@ -104,5 +104,5 @@ class RouterConfig:
 
 def load_router_config(path: str | None = None, overrides: dict[str, Any] | None = None,
                        environ: dict[str, str] | None = None) -> RouterConfig:
-    config: RouterConfig = load_config(path, overrides, environ, config_cls=RouterConfig, env_prefix=ENV_PREFIX)
+    config: RouterConfig = load_typed_config(RouterConfig, ENV_PREFIX, path, overrides, environ)
     return config

@@ -112,8 +112,11 @@ class TaskRef:
 
 
 @dataclass
-class RolloutArgs:
-    task: TaskRef
+class RolloutOptions:
+    """How to roll out a task: every field of a rollout request but the task itself, with its
+    default. One definition, shared by the wire message (:class:`RolloutArgs`) and the client's
+    ``RolloutRequest``."""
+
     n: int = 1
     """Samples of this task; each gets its own sandbox, all share the task's prepared set-up."""
     agent: str = "codeact"
@@ -134,6 +137,13 @@ class RolloutArgs:
     """Times a sample that infrastructure ended (``ended_by`` sandbox, inference or daemon) is run
     again, within its ``timeout_s``: a batch of n comes back with n samples the model ended, or
     says which were not (``RolloutResult.shortfall``). 0 turns refills off."""
+
+
+@dataclass
+class RolloutArgs(RolloutOptions):
+    """The ``rollout`` op's args: the task and how to roll it out."""
+
+    task: TaskRef = field(kw_only=True)
 
 
 @dataclass

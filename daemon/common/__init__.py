@@ -1,0 +1,1 @@
+"""What both daemon processes (node and router) share: typed configuration loading."""
