@@ -20,7 +20,7 @@ import numpy as np
 
 from rolloutd.native_io.errors import InvalidTrajectory
 
-from .trajectory import ENDED_BY, FINISH_REASONS, Trajectory
+from rolloutd.native_io.trajectory import ENDED_BY, FINISH_REASONS, Trajectory
 
 MODEL_FINISHES = frozenset({"completed", "max_turns", "max_tokens", "context_length"})
 """The finish reasons of a trajectory the model ended (``ended_by == "model"``)."""

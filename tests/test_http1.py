@@ -9,7 +9,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from inference_support import run, wait_until
+from inference_support import wait_until
+from support.loop import run
 
 from rolloutd.daemon.inference.http1 import BadResponse, HTTP1Client
 
