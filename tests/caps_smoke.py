@@ -26,6 +26,8 @@ WORKSPACE_MB = 32
 WAIT_S = 60.0
 """How long a sandbox over a cap may take to be ended (the watchdog runs every 0.2 s here)."""
 
+# The sandbox commands hold what they took (memory, files) for WAIT_S, so that the cap's end comes
+# from the watchdog while they still hold it; the test waits on the SandboxLimit, not on the time.
 ALLOCATE = f"python3 -c \"x = b'x' * ({4 * MEMORY_MB} << 20); import time; time.sleep({WAIT_S})\"; sleep {WAIT_S}"
 FILL = f"for i in $(seq 16); do head -c 8M /dev/zero > f$i || break; done; sleep {WAIT_S}"
 FILL_SHM = f"for i in $(seq 8); do head -c {WORKSPACE_MB - 2}M /dev/zero > /dev/shm/f$i; done; sleep {WAIT_S}"

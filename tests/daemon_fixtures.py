@@ -4,9 +4,11 @@ needed SIGKILL, or a stop that failed, fails the test (no fallback here hides a 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,37 @@ from rolloutd.native_io import shm
 
 
 CLI = [sys.executable, "-m", "rolloutd.cli.main"]
+
+
+@contextmanager
+def scripted_policy(plans: dict[str, list[str]], folder: Path, api_key: str, *args: str) -> Iterator[str]:
+    """A reference policy server process following ``plans`` (task id -> oracle plan), behind
+    ``api_key``, with ``args`` for its command line; yields its URL once it printed READY."""
+    plans_file = folder / "plans.json"
+    plans_file.write_text(json.dumps({"plans": plans}))
+    proc = subprocess.Popen([*CLI, "policy-server", "--port", "0", "--scripted", str(plans_file), *args],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "ROLLOUTD_POLICY_API_KEY": api_key})
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("READY "), line
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
+
+
+@contextmanager
+def policy_and_node(plans: dict[str, list[str]], api_key: str, *node_args: str,
+                    prefix: str = "rld-") -> Iterator[tuple[str, str]]:
+    """(node address, policy URL): a scripted policy and a node daemon (``node_args``) holding
+    its key, in a fresh private folder; the node starts with no inference server."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    tmp.chmod(0o700)
+    with scripted_policy(plans, tmp, api_key) as url:
+        with node_daemon(tmp / "n", *node_args, env={"ROLLOUTD_INFERENCE_API_KEY": api_key}) as address:
+            yield address, url
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ import psutil
 import pytest
 import uvloop
 
-from daemon_fixtures import node_daemon
+from daemon_fixtures import policy_and_node
 from support.waits import async_poll, async_wait_until
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.mapping import DataSources
@@ -32,7 +31,7 @@ from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.tasks.datasets import oracle_plans
-from test_rollout_daemon import API_KEY, policy
+from test_rollout_daemon import API_KEY
 
 TOKEN = "gateway-test-token"
 ROUTES = [("POST", "/start"), ("POST", "/stop"), ("GET", "/status"), ("POST", "/add_llm_server"),
@@ -57,12 +56,9 @@ ECHO = {"data_source": "command", "instance_id": "echo-1", "trajectory_id": 3,
 def stack() -> Iterator[tuple[str, str]]:
     """(node address, policy URL): one scripted policy and one node daemon for the module; the
     node starts with no inference server (the gateway adds it)."""
-    tmp = Path(tempfile.mkdtemp(prefix="rld-gw-"))
-    tmp.chmod(0o700)
-    with policy(PLANS, tmp) as url:
-        with node_daemon(tmp / "n", "--backend", "local", "--workers", "1", "--warm", "2",
-                         env={"ROLLOUTD_INFERENCE_API_KEY": API_KEY}) as address:
-            yield address, url
+    with policy_and_node(PLANS, API_KEY, "--backend", "local", "--workers", "1", "--warm", "2",
+                         prefix="rld-gw-") as stack:
+        yield stack
 
 
 @asynccontextmanager

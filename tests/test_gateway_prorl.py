@@ -29,7 +29,7 @@ import pytest
 import uvloop
 
 import prorl_clients as pc
-from daemon_fixtures import node_daemon
+from daemon_fixtures import node_daemon, policy_and_node
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.compat import prorl_answer
 from rolloutd.daemon.gateway.mapping import DataSources, result_json
@@ -70,12 +70,9 @@ BROKEN_SWE = {"data_source": "swebench", "instance_id": "broken-1", "problem_sta
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[str, str]]:
-    tmp = Path(tempfile.mkdtemp(prefix="rld-prorl-"))
-    tmp.chmod(0o700)
-    with policy(PLANS, tmp) as url:
-        with node_daemon(tmp / "n", "--backend", "local", "--workers", "1", "--warm", "4",
-                         env={"ROLLOUTD_INFERENCE_API_KEY": API_KEY}) as address:
-            yield address, url
+    with policy_and_node(PLANS, API_KEY, "--backend", "local", "--workers", "1", "--warm", "4",
+                         prefix="rld-prorl-") as stack:
+        yield stack
 
 
 @asynccontextmanager

@@ -5,17 +5,11 @@ that a later reply has reused."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from daemon_fixtures import node_daemon
+from daemon_fixtures import node_daemon, scripted_policy
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.daemon.tasks.datasets import oracle_plans
@@ -24,22 +18,8 @@ API_KEY = "repeat-test-key"
 TASKS = ("wordwrap-001", "semver-010")
 
 
-@contextmanager
-def scripted_policy(tmp: Path, *args: str) -> Iterator[str]:
-    plans = tmp / "plans.json"
-    plans.write_text(json.dumps({"plans": {t: oracle_plans()[t] for t in TASKS}}))
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli.main", "policy-server", "--port", "0",
-                             "--scripted", str(plans), *args], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY})
-    assert proc.stdout is not None
-    try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("READY "), line
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stdout.close()
+def plans_of_the_tasks() -> dict[str, list[str]]:
+    return {t: oracle_plans()[t] for t in TASKS}
 
 
 def owned(t: Trajectory) -> dict[str, list]:
@@ -54,7 +34,7 @@ async def test_an_answered_id_asked_again_gets_its_own_arrays(short_tmp: Path) -
     """A's reply lived in a shared-memory segment; A released it and B's reply refilled it. Asking
     for A again returned A's scalars over B's memory (issue 27); now it is A's arrays, copied."""
     env = {"ROLLOUTD_INFERENCE_API_KEY": API_KEY}
-    with scripted_policy(short_tmp) as url, \
+    with scripted_policy(plans_of_the_tasks(), short_tmp, API_KEY) as url, \
             node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "1", env=env) as address:
         async with AsyncRolloutClient(address) as client:
             await client.add_inference_server(url)
@@ -81,7 +61,7 @@ async def test_concurrent_submits_of_one_id_all_get_the_one_answer(short_tmp: Pa
     """Two clients (and one client twice) submit the same id while it runs: it runs once and
     every asker gets it; the landed supervisor answered only the newest asker."""
     env = {"ROLLOUTD_INFERENCE_API_KEY": API_KEY}
-    with scripted_policy(short_tmp, "--ms-per-token", "3") as url, \
+    with scripted_policy(plans_of_the_tasks(), short_tmp, API_KEY, "--ms-per-token", "3") as url, \
             node_daemon(short_tmp / "n", "--backend", "local", "--workers", "1", "--warm", "1", env=env) as address:
         async with AsyncRolloutClient(address) as one, AsyncRolloutClient(address) as two:
             await one.add_inference_server(url)

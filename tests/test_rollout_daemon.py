@@ -3,20 +3,15 @@ servers added at run time, weight versions, arrays through shared memory."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from daemon_fixtures import node_daemon
+from daemon_fixtures import node_daemon, scripted_policy
 from support.waits import async_poll
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
@@ -29,22 +24,8 @@ STATS_TIMEOUT_S = 10.0
 """Workers report their pools and stages once a second; a report this late means something is stuck."""
 
 
-@contextmanager
-def policy(plans: dict[str, list[str]], tmp: Path) -> Iterator[str]:
-    plans_file = tmp / "plans.json"
-    plans_file.write_text(json.dumps({"plans": plans}))
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli.main", "policy-server", "--port", "0",
-                             "--scripted", str(plans_file)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "ROLLOUTD_POLICY_API_KEY": API_KEY})
-    assert proc.stdout is not None
-    try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("READY "), line
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stdout.close()
+def policy(plans: dict[str, list[str]], tmp: Path) -> contextlib.AbstractContextManager[str]:
+    return scripted_policy(plans, tmp, API_KEY)
 
 
 def test_bundled_rollouts_through_the_daemon(short_tmp: Path) -> None:
