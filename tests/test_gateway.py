@@ -22,6 +22,7 @@ import pytest
 import uvloop
 
 from daemon_fixtures import policy_and_node
+from support.processes import ready_process
 from support.waits import async_poll, async_wait_until
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.mapping import DataSources
@@ -253,11 +254,7 @@ def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
                               text=True, timeout=60, env={k: v for k, v in os.environ.items()
                                                           if k != "ROLLOUTD_GATEWAY_TOKEN"})
     assert no_token.returncode == 2 and "bearer token" in no_token.stderr
-    proc = subprocess.Popen([*cmd, "--bind", "127.0.0.1:0", "--start", "--inference-server", url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
+    with ready_process([*cmd, "--bind", "127.0.0.1:0", "--start", "--inference-server", url]) as (proc, line):
         assert line.startswith("READY http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
 
         async def check(base: str) -> None:
@@ -270,10 +267,3 @@ def test_command_line(stack: tuple[str, str], short_tmp: Path) -> None:
         uvloop.run(check(line.split()[1]))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()

@@ -13,7 +13,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import uvloop
 
 import prorl_clients as pc
 from daemon_fixtures import node_daemon, policy_and_node
+from support.net import free_port
+from support.processes import ready_process
 from rolloutd.daemon.gateway.auth import Access, Listen
 from rolloutd.daemon.gateway.compat import prorl_answer
 from rolloutd.daemon.gateway.mapping import DataSources, result_json
@@ -343,12 +344,6 @@ async def test_token_in_the_url_or_a_trusted_network(stack: tuple[str, str]) -> 
         assert (await pc.control(base, "/start"))[0] == 200  # from a trusted network: no token needed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str], short_tmp: Path) -> None:
     address, llm = stack
     token_file = short_tmp / "token"
@@ -363,14 +358,10 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
         refused = subprocess.run([*cmd, "--bind", "0.0.0.0:0", "--trusted-network", bad], capture_output=True,
                                  text=True, timeout=60)
         assert refused.returncode == 2 and "--trusted-network" in refused.stderr, refused.stderr
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTD_GATEWAY_TOKEN"}
-    proc = subprocess.Popen([*cmd, "--bind", f"0.0.0.0:{port}", "--trusted-network", "127.0.0.0/8",
-                             "--timeout-s", "60", "--tokenizer", "reference", "--start", "--inference-server", llm],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
+    with ready_process([*cmd, "--bind", f"0.0.0.0:{port}", "--trusted-network", "127.0.0.0/8", "--timeout-s", "60",
+                        "--tokenizer", "reference", "--start", "--inference-server", llm], env) as (proc, line):
         assert line == f"READY http://0.0.0.0:{port}", (line, proc.stderr.read() if proc.poll() is not None else "")
         base = f"http://127.0.0.1:{port}"
 
@@ -397,13 +388,6 @@ def test_command_line_binds_a_node_address_and_stops_fast(stack: tuple[str, str]
 
         took = uvloop.run(in_flight_then_sigterm())
         assert proc.returncode == 0 and took < STOP_WITHIN_S + 2, (took, proc.stderr.read())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 @pytest.mark.parametrize(("finish", "ended_by", "last_stage", "critical", "success"), [
