@@ -149,10 +149,13 @@ def test_run_base_no_user_can_create_first(slurm: SlurmCluster, short_tmp: Path)
     slurm.write_hook_config(RUN_BASE=str(base))
     job = slurm.sbatch(folder, "echo should not run\n")
     try:
-        wait_until("the node drains", lambda: "DRAIN" in slurm.node_fields().get("State", ""), 60)
+        # The hook's own reason, not only DRAIN: slurmd's "Prolog error" can drain the node first,
+        # and a resume before the hook's drain lands would leave the node drained for later tests.
+        wait_until("the prolog drains the node with its reason",
+                   lambda: slurm.node_fields()["Reason"].startswith("rolloutd prolog: RUN_BASE "), 60)
         assert not planted.exists() and not planted.is_symlink(), "root wrote through the user's link"
         reason = slurm.node_fields()["Reason"]
-        assert reason.startswith("rolloutd prolog: RUN_BASE ") and "/tmp is writable by others" in reason, reason
+        assert "DRAIN" in slurm.node_fields().get("State", "") and "/tmp is writable by others" in reason, reason
         assert os.readlink(base / "hooks.log") == str(planted)
     finally:
         planted.unlink(missing_ok=True)
