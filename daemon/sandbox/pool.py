@@ -430,9 +430,8 @@ class WarmPool:
                 await lease.stop_sandbox()
 
     def take_census(self, census: Counter[int]) -> None:
-        """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
-        for all the workers of a node, where each worker would otherwise read every process of
-        the host itself. The watchdog uses it while it is fresh, and scans on its own otherwise."""
+        """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc for all the
+        workers of a node (each would read every process of the host). Used while fresh, else the watchdog scans."""
         self._given_census = (time.monotonic(), census)
         self.counters["given_censuses"] += 1
 
