@@ -255,6 +255,28 @@ def test_cancel_closes_the_connection_so_the_server_sees_it() -> None:
     run(scenario())
 
 
+def test_closing_the_client_fails_waiting_requests_without_sending_them_again() -> None:
+    """What the inference pool relies on when it closes a removed server: a request waiting on a
+    reused keep-alive connection fails, and is not taken for a stale connection and sent again."""
+    async def handler(request: bytes, writer: asyncio.StreamWriter, server: RawServer) -> bool:
+        if b"/slow" in request:
+            await asyncio.sleep(30)
+        writer.write(_answer(b"ok"))
+        return True
+
+    async def scenario() -> None:
+        async with RawServer(handler) as server:
+            client = HTTP1Client(server.url)
+            assert await client.request("GET", "/fast") == (200, b"ok")
+            waiting = asyncio.create_task(client.request("GET", "/slow"))  # on the same, reused connection
+            await wait_until(lambda: len(server.requests) == 2, what="the server holding /slow")
+            client.close()
+            with pytest.raises(ConnectionError, match="client of .* is closed"):
+                await asyncio.wait_for(waiting, 5)
+            assert server.connections == 1 and len(server.requests) == 2
+    run(scenario())
+
+
 def test_refused_and_unreachable_are_connection_errors() -> None:
     async def scenario() -> None:
         async with RawServer(_echo) as server:
