@@ -194,6 +194,19 @@ def _abort_start(proc: subprocess.Popen[bytes], d: DaemonProcess, cleanup: Calla
         d.pidfile.unlink()
 
 
+def stop(d: DaemonProcess, timeout_s: float, cleanup: Callable[[int | None], None]) -> int:
+    """``rolloutd node|router stop``: the stop ladder to the running daemon, then ``cleanup`` of
+    what it may have left (given its pid; None when none was running, for a crashed one's), then
+    its pid file."""
+    pid = daemon_pid(d.run_path, d.command)
+    rung = stop_ladder(pid, timeout_s) if pid is not None else None
+    cleanup(pid)
+    with contextlib.suppress(FileNotFoundError):
+        d.pidfile.unlink()
+    print(f"no {d.what} running for {d.run_path}" if pid is None else f"stopped {d.what} pid {pid} ({rung})")
+    return 0
+
+
 def stop_ladder(pid: int, timeout_s: float) -> str:
     """SIGTERM, then after ``timeout_s`` SIGKILL to the process and its children; the rung reached."""
     os.kill(pid, signal.SIGTERM)

@@ -51,17 +51,7 @@ def start_detached(config: NodeConfig, pidfile: Path, log_file: Path | None, rea
 
 
 def stop(config: NodeConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = daemon_pid(config.run_path, "node")
-    if pid is None:
-        print(f"no node daemon running for {config.run_path}")
-        _cleanup_after(config, None)
-        return 0
-    rung = lifecycle.stop_ladder(pid, timeout_s)
-    _cleanup_after(config, pid)
-    with contextlib.suppress(FileNotFoundError):
-        pidfile.unlink()
-    print(f"stopped node daemon pid {pid} ({rung})")
-    return 0
+    return lifecycle.stop(_process(config, pidfile), timeout_s, lambda pid: _cleanup_after(config, pid))
 
 
 def _cleanup_after(config: NodeConfig, pid: int | None) -> None:

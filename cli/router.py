@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutd.cli import lifecycle
-from rolloutd.cli.lifecycle import DaemonProcess, daemon_pid
+from rolloutd.cli.lifecycle import DaemonProcess
 from rolloutd.daemon.router.config import RouterConfig
 from rolloutd.daemon.router.router import Router
 
@@ -36,15 +36,7 @@ def start_detached(config: RouterConfig, pidfile: Path, log_file: Path | None, r
 
 
 def stop(config: RouterConfig, pidfile: Path, timeout_s: float) -> int:
-    pid = daemon_pid(config.run_path, "router")
-    if pid is None:
-        print(f"no router running for {config.run_path}")
-    else:
-        print(f"stopped router pid {pid} ({lifecycle.stop_ladder(pid, timeout_s)})")
-    _remove_sockets(config)
-    with contextlib.suppress(FileNotFoundError):
-        pidfile.unlink()
-    return 0
+    return lifecycle.stop(_process(config, pidfile), timeout_s, lambda _pid: _remove_sockets(config))
 
 
 def _remove_sockets(config: RouterConfig) -> None:

@@ -233,15 +233,17 @@ def test_connections_are_bounded_and_requests_past_the_bound_wait() -> None:
     run(scenario())
 
 
-def test_cancel_closes_the_connection_so_the_server_sees_it() -> None:
-    async def handler(request: bytes, writer: asyncio.StreamWriter, server: RawServer) -> bool:
-        if b"/slow" in request:
-            await asyncio.sleep(30)
-        writer.write(_answer(b"ok"))
-        return True
+async def _slow_or_ok(request: bytes, writer: asyncio.StreamWriter, server: RawServer) -> bool:
+    """Holds ``/slow`` unanswered (30 s, past every test's wait); answers anything else at once."""
+    if b"/slow" in request:
+        await asyncio.sleep(30)
+    writer.write(_answer(b"ok"))
+    return True
 
+
+def test_cancel_closes_the_connection_so_the_server_sees_it() -> None:
     async def scenario() -> None:
-        async with RawServer(handler) as server:
+        async with RawServer(_slow_or_ok) as server:
             client = HTTP1Client(server.url)
             try:
                 with pytest.raises(TimeoutError):
@@ -252,6 +254,22 @@ def test_cancel_closes_the_connection_so_the_server_sees_it() -> None:
                 assert server.connections == 2  # the cancelled one was not reused
             finally:
                 client.close()
+    run(scenario())
+
+
+def test_closing_the_client_fails_waiting_requests_without_sending_them_again() -> None:
+    """What the inference pool relies on when it closes a removed server: a request waiting on a
+    reused keep-alive connection fails, and is not taken for a stale connection and sent again."""
+    async def scenario() -> None:
+        async with RawServer(_slow_or_ok) as server:
+            client = HTTP1Client(server.url)
+            assert await client.request("GET", "/fast") == (200, b"ok")
+            waiting = asyncio.create_task(client.request("GET", "/slow"))  # on the same, reused connection
+            await wait_until(lambda: len(server.requests) == 2, what="the server holding /slow")
+            client.close()
+            with pytest.raises(ConnectionError, match="client of .* is closed"):
+                await asyncio.wait_for(waiting, 5)
+            assert server.connections == 1 and len(server.requests) == 2
     run(scenario())
 
 

@@ -287,6 +287,39 @@ def test_drain_lets_running_turns_finish_on_a_removed_server() -> None:
     run(scenario())
 
 
+def test_a_removed_server_that_ignores_its_abort_is_closed_and_the_turn_moves() -> None:
+    """The removed server gets the abort for the turn's request id (again and again: it keeps the
+    request) and after abort_timeout_s the pool closes its connections; the turn, never cancelled,
+    runs on the other server."""
+    async def scenario() -> None:
+        async with BadServer("hang") as bad, policy_server() as good:
+            specs = ["sglang+" + bad.url, "sglang+" + good.url]
+            # One attempt: a turn moved off a removed server is not a failed attempt.
+            async with await ServerPool.create(specs, api_key=API_KEY, health_interval_s=0, max_attempts=1) as pool:
+                turn = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), trajectory_id="s",
+                                                         timeout_s=30, request_id="stuck"))
+                await wait_until(lambda: bad.hanging == 1, what="the turn hanging on the bad server")
+                await pool.remove_server(bad.url, abort_timeout_s=2.0)
+                result = await turn
+                status = pool.status()
+        assert set(bad.aborted) == {"stuck"} and len(bad.aborted) >= 2, bad.aborted
+        assert result.server == good.url and len(result.token_ids) == 4
+        assert [(s["address"], s["failures"]) for s in status["servers"]] == [(good.url, 0)]
+    run(scenario())
+
+
+def test_a_server_failing_a_pause_is_taken_out_and_named() -> None:
+    async def scenario() -> None:
+        async with BadServer("ok") as bad, policy_server() as good:
+            specs = ["sglang+" + good.url, "sglang+" + bad.url]
+            async with await ServerPool.create(specs, api_key=API_KEY, health_interval_s=0) as pool:
+                with pytest.raises(InferenceError, match=f"pause failed on 1 of 2 server.*{bad.url}"):
+                    await pool.pause_all()
+                healthy = {s["address"]: s["healthy"] for s in pool.status()["servers"]}
+        assert healthy == {good.url: True, bad.url: False}
+    run(scenario())
+
+
 def test_max_attempts_bounds_the_retries() -> None:
     async def scenario() -> None:
         async with BadServer("http500") as b1, BadServer("http500") as b2, BadServer("http500") as b3:

@@ -9,10 +9,14 @@ from collections.abc import AsyncIterator
 
 import psutil
 import pytest
+from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
+
+KERNEL_SPAWN_S = 30.0
+"""How long a kernel's process may take to be spawned (not ready) in a sandbox on a loaded node."""
 
 
 @pytest.fixture
@@ -47,8 +51,8 @@ async def test_a_kernel_that_cannot_start_fails_its_cell_and_the_next_cell_retri
 async def test_destroy_while_the_kernel_starts_leaves_no_process(backend: SandboxBackend) -> None:
     lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
     cell = asyncio.create_task(lease.ipython("1"))
-    while lease.kernel is None or lease.kernel.pid is None:
-        await asyncio.sleep(0.005)
+    await async_wait_until(lambda: lease.kernel is not None and lease.kernel.pid is not None, KERNEL_SPAWN_S,
+                           "the kernel's process started", poll_s=0.005)
     await lease.destroy()
     with pytest.raises(KernelError):
         await cell

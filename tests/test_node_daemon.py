@@ -18,7 +18,7 @@ import uvloop
 
 from daemon_fixtures import CLI, daemon_processes, node_daemon, start_nodes, stop_node
 from privilege_probe import PROBE, assert_unprivileged
-from support.waits import async_poll
+from support.waits import async_poll, wait_until
 from rolloutd.client.async_client import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.cli.run_lock import running_pid
@@ -38,6 +38,9 @@ STATS_TIMEOUT_S = 5.0
 """Workers report their pools once a second; a report this late means something is stuck."""
 RESTART_TIMEOUT_S = 10.0
 """A killed worker restarts after worker_restart_delay_s and its start-up."""
+CENSUS_WAIT_S = 30.0
+"""Until the supervisor's census, and then a watchdog kill, show in the workers' once-a-second
+reports (their first census waits for both workers to be up, on a loaded node)."""
 
 
 def test_start_status_stop(short_tmp: Path) -> None:
@@ -157,20 +160,24 @@ def test_fork_bomb_is_stopped_by_the_supervisors_census(short_tmp: Path) -> None
     # node it counts with the census the supervisor takes once for all workers.
     with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "2", "--warm", "1") as address:
         with RolloutClient(address) as client:
-            def own_censuses() -> int:
-                return sum(w["pool"]["own_censuses"] for w in client.status()["workers"])
+            def counted(name: str) -> list[int]:
+                return [w["pool"][name] for w in client.status()["workers"]]
 
             with client.open_sandbox(ipython=False) as sb:
-                time.sleep(3)  # until the supervisor's census flows (workers scan alone before it)
-                before = own_censuses()
+                # Workers scan /proc alone until the supervisor's first census reaches them.
+                wait_until(lambda: len(given := counted("given_censuses")) == 2 and min(given) > 0, CENSUS_WAIT_S,
+                           "both workers reporting a census from the supervisor")
+                before = sum(counted("own_censuses"))
                 with pytest.raises(SandboxLost):
                     # 600 sleepers, over the default limit of 512; the sandbox is destroyed under it.
                     sb.run("for i in $(seq 600); do sleep 60 & done; wait", timeout_s=60)
                 with pytest.raises(SandboxLimit, match="max_processes"):
                     sb.run("echo hi")
-                time.sleep(1.5)  # workers report their counters once a second
-                assert own_censuses() - before <= 1, "the workers scanned /proc themselves"
-            assert sum(w["pool"]["watchdog_kills"] for w in client.status()["workers"]) == 1
+                # Workers report their counters once a second: the report that holds the kill
+                # holds the scans made up to it.
+                wait_until(lambda: sum(counted("watchdog_kills")) == 1, CENSUS_WAIT_S, "the kill in the workers' report")
+                assert sum(counted("own_censuses")) - before <= 1, "the workers scanned /proc themselves"
+            assert sum(counted("watchdog_kills")) == 1
 
 
 def _supervisor(run_dir: Path) -> int:

@@ -6,14 +6,19 @@ import asyncio
 from collections import Counter
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
+
+WAIT_S = 10.0
+"""How long a test waits for a state of the pool or its sandboxes (a shell's exit, processes started)."""
 
 
 async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:
@@ -92,7 +97,7 @@ async def test_dead_ready_lease_is_replaced(backend: SandboxBackend) -> None:
         broken = pool._ready[spec][0]
         assert broken.shell.pid is not None
         os.killpg(broken.shell.pid, 9)
-        await asyncio.sleep(0.2)
+        await async_wait_until(lambda: not broken.shell.alive, WAIT_S, "the killed shell seen to exit")
         lease = await pool.lease(spec)
         assert lease.id != broken.id
         assert (await lease.run("echo ok")).output == "ok\n"
@@ -107,7 +112,8 @@ async def test_max_age_recycles_idle_sandboxes(backend: SandboxBackend) -> None:
     try:
         await pool.wait_ready(60)
         old = pool._ready[spec][0]
-        await asyncio.sleep(0.7)
+        await async_wait_until(lambda: time.monotonic() - old.created_at > pool.max_age_s, WAIT_S,
+                               "the warm sandbox older than max_age_s")
         lease = await pool.lease(spec)
         assert lease.id != old.id and pool.counters["recycled_old"] >= 1
     finally:
@@ -142,8 +148,7 @@ async def test_stop_kills_what_is_still_forking(backend: SandboxBackend) -> None
     lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
     try:
         await lease.run("(while :; do sleep 60 & done) >/dev/null 2>&1 &", timeout_s=10)
-        await asyncio.sleep(0.2)
-        assert len(lease.sandbox.process_ids()) > 5
+        await async_wait_until(lambda: len(lease.sandbox.process_ids()) > 5, WAIT_S, "the shell forking sleepers")
         await lease.sandbox.stop()
         assert lease.sandbox.process_ids() == []
     finally:
@@ -160,16 +165,18 @@ async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend)
         lease = await pool.lease(spec)
         assert lease.sandbox.process_count(backend.census()) < 40
         over = Counter({key: 1000 for key in backend.census()})
-        for _ in range(40):
-            pool.take_census(over)
-            if lease.lost_reason:
-                break
-            await asyncio.sleep(0.02)
+
+        def lost_under_a_fresh_census() -> str | None:
+            pool.take_census(over)  # kept fresh, as the supervisor sends one every interval
+            return lease.lost_reason
+
+        await async_wait_until(lost_under_a_fresh_census, WAIT_S, "the watchdog acting on the given census")
         assert lease.lost_reason and "max_processes" in lease.lost_reason
         assert pool.counters["own_censuses"] == 0
         healthy = await pool.lease(spec)
-        await asyncio.sleep(0.5)  # the given census is now stale: the watchdog counts for itself
-        assert pool.counters["own_censuses"] > 0 and not healthy.lost_reason
+        # No census given any more: once the last one is stale the watchdog counts for itself.
+        await async_wait_until(lambda: pool.counters["own_censuses"] > 0, WAIT_S, "the watchdog's own census")
+        assert not healthy.lost_reason
     finally:
         await pool.close()
 

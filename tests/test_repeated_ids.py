@@ -10,12 +10,17 @@ from pathlib import Path
 import numpy as np
 
 from daemon_fixtures import node_daemon, scripted_policy
+from support.waits import async_poll
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.daemon.tasks.datasets import oracle_plans
 
 API_KEY = "repeat-test-key"
 TASKS = ("wordwrap-001", "semver-010")
+RUNNING_S = 30.0
+"""How long a submitted rollout may take to be accepted and running on the node."""
+RELEASE_S = 10.0
+"""How long released answers may take to show as freed segments in the node's status."""
 
 
 def plans_of_the_tasks() -> dict[str, list[str]]:
@@ -66,9 +71,8 @@ async def test_concurrent_submits_of_one_id_all_get_the_one_answer(short_tmp: Pa
         async with AsyncRolloutClient(address) as one, AsyncRolloutClient(address) as two:
             await one.add_inference_server(url)
             (rid,) = await one.submit([request(TASKS[0], "same-id")])
-            async with asyncio.timeout(30):  # accepted and running before the others ask
-                while (await one.status())["in_flight"] < 1:
-                    await asyncio.sleep(0.05)
+            await async_poll(one.status, lambda st: st["in_flight"] >= 1, RUNNING_S,
+                             "the first ask accepted and running before the others ask")
             await two.submit([request(TASKS[0], "same-id")])
             await one.submit([request(TASKS[0], "same-id")])
             got = await asyncio.gather(one.results([rid], timeout_s=120), two.results([rid], timeout_s=120),
@@ -82,7 +86,5 @@ async def test_concurrent_submits_of_one_id_all_get_the_one_answer(short_tmp: Pa
             st = await one.status()
             # run once: `two` joined on the daemon, `one` asking again joined in the client
             assert st["counters"]["duplicates"] == 1, st["counters"]
-            async with asyncio.timeout(10):  # released: no segment left held
-                while (await one.status())["shm_segments"]:
-                    await asyncio.sleep(0.05)
+            await async_poll(one.status, lambda st: st["shm_segments"] == 0, RELEASE_S, "every segment released")
 

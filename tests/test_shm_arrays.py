@@ -6,16 +6,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from daemon_fixtures import node_daemon
+from support.waits import wait_until
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.native_io import shm
 
 SHM = Path("/dev/shm")
+RELEASE_S = 5.0
+"""How long a released segment may take to show as free in the node's status."""
+RECLAIM_S = 10.0
+"""How long the node may take to notice a killed client and reclaim its segments."""
 
 
 def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
@@ -34,9 +38,7 @@ def test_arrays_are_mapped_without_copy(short_tmp: Path) -> None:
             assert client.status()["shm_segments"] == 1
             client.release(reply)
             # Released segments go back to the worker's arena and are refilled by the next reply.
-            deadline = time.monotonic() + 5
-            while client.status()["shm_segments"] and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: client.status()["shm_segments"] == 0, RELEASE_S, "the released segment back in the arena")
             again = client.request("debug.make_arrays", {"n_tokens": 1000, "n_trajectories": 1})
             assert again.segments == [segment]
             assert again.arrays["response_ids"][999] == 999
@@ -73,10 +75,9 @@ def test_segments_of_a_killed_client_are_reclaimed(short_tmp: Path) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        deadline = time.monotonic() + 10
         with RolloutClient(address) as client:
-            while client.status()["counters"]["segments_reclaimed"] == 0 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: client.status()["counters"]["segments_reclaimed"], RECLAIM_S,
+                       "the killed client's segment reclaimed")
         with RolloutClient(address) as client:
             st = client.status()
             assert st["counters"]["segments_reclaimed"] == 1 and st["shm_segments"] == 0

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from support.waits import async_wait_until
+
 from rolloutd.daemon.pipeline.gates import StageGate
+
+QUEUE_S = 5.0
+"""How long tasks just created may take to queue at a gate."""
 
 
 async def test_limit_and_priority_order() -> None:
@@ -18,7 +23,7 @@ async def test_limit_and_priority_order() -> None:
 
     tasks = [asyncio.ensure_future(waiter("low", 0)), asyncio.ensure_future(waiter("high", 5)),
              asyncio.ensure_future(waiter("low2", 0))]
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: gate.waiting == 3, QUEUE_S, "three waiters queued")
     assert gate.stats() == {"limit": 1, "in_use": 1, "waiting": 3}
     gate.release()
     await asyncio.gather(*tasks)
@@ -31,7 +36,7 @@ async def test_cancelled_waiter_does_not_leak_a_slot() -> None:
     await gate.acquire()
     cancelled = asyncio.ensure_future(gate.acquire())
     later = asyncio.ensure_future(gate.acquire())
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: gate.waiting == 2, QUEUE_S, "two waiters queued")
     cancelled.cancel()
     await asyncio.sleep(0)
     gate.release()

@@ -40,13 +40,23 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import open_lease
 from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io.errors import InferenceError
-from vllm_support import FIDELITY, Recompute, abort_until_done, perturbed_copy, tiny_model, wait_running
+from inference_support import API_KEY, policy_server
+from vllm_support import (
+    FIDELITY,
+    Recompute,
+    abort_until_done,
+    perturbed_copy,
+    tiny_model,
+    wait_running,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 WINDOW = 16384
 PROMPT = [1, 464, 207, 918, 971, 34, 276, 74, 75, 207, 2, 207, 1, 580, 207]
 ROUTES = ["generate", "completions"]
+REMOVAL_ABORT_S = 60.0
+"""The abort timeout of the removal test: a removal that took half of it did not end the turn by its abort."""
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +168,9 @@ def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> 
         try:
             long = SamplingParams(max_tokens=6000, ignore_eos=True)
             call = asyncio.create_task(be.generate(PROMPT, long, request_id="to-abort", timeout_s=300))
+            # Decoding first, so the abort ends it with some tokens (an abort before that ended it
+            # with none once, on a loaded machine).
+            await wait_running(server.url)
             aborted = await abort_until_done(lambda: be.abort("to-abort"), call)
             # A cancelled call aborts too: the server is free right after (the next call is quick).
             cancelled = asyncio.create_task(be.generate(PROMPT, long, request_id="to-cancel", timeout_s=300))
@@ -173,6 +186,27 @@ def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> 
         assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 6000
         assert len(quick.token_ids) == 2 and waited < 10, waited
     run(scenario(), timeout_s=600)
+
+
+def test_a_removed_servers_turn_is_aborted_there_and_moves_to_another(server: VLLMServer) -> None:
+    """remove_server ends a turn running on vLLM through vLLM's abort route (well before the
+    abort timeout, after which the pool would close the connection instead), and the turn,
+    never cancelled, is run whole on the other server (the reference policy)."""
+    async def scenario() -> tuple[Any, float]:
+        async with policy_server() as other:
+            specs = ["vllm+" + server.url, "sglang+" + other.url]
+            async with await ServerPool.create(specs, api_key=API_KEY, health_interval_s=0) as pool:
+                params = SamplingParams(max_tokens=3000, ignore_eos=True)
+                turn = asyncio.create_task(pool.generate(PROMPT, params, trajectory_id="r", timeout_s=300))
+                await wait_running(server.url)
+                started = time.monotonic()
+                await pool.remove_server(server.url, abort_timeout_s=REMOVAL_ABORT_S)
+                removal_s = time.monotonic() - started
+                result = await turn
+            return result, removal_s
+    result, removal_s = run(scenario(), timeout_s=600)
+    assert removal_s < REMOVAL_ABORT_S / 2, removal_s
+    assert result.server != server.url and len(result.token_ids) == 3000 and result.finish_reason == "length"
 
 
 def test_pause_keep_holds_new_calls_until_resume(server: VLLMServer) -> None:

@@ -172,6 +172,11 @@ class EngineClientBackend(InferenceBackend):
         await self._call({"op": "update_weights", "path": path, "version": version}, timeout_s=self._control_timeout_s)
 
     async def close(self) -> None:
+        """Calls still waiting for an answer fail with InferenceError (their answers can no longer come)."""
+        for rid, waiter in list(self._waiting.items()):
+            if not waiter.done():
+                waiter.set_exception(InferenceError(f"{self.address}: the backend was closed while {rid} "
+                                                    "waited for its answer"))
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)

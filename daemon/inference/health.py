@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.daemon.inference.base import GenerateResult, InferenceBackend
+from rolloutd.daemon.inference.base import InferenceBackend
 from rolloutd.native_io.errors import InferenceError
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,8 @@ class PoolServer:
     slow_probes: int = 0
     """Slow health probes in a row since a call last completed here."""
     weight_version: str = ""
-    calls: dict[str, asyncio.Task[GenerateResult]] = field(default_factory=dict)
-    """Request id -> its call, a task of its own: cancelling it aborts the call on the server
-    (:meth:`ServerPool.remove_server`) and never touches the turn that waits on it."""
+    calls: set[str] = field(default_factory=set)
+    """Request ids in flight here: :meth:`ServerPool.remove_server` aborts them on the server."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -109,7 +108,7 @@ class ServerHealth:
         for server, error in errors:
             if not isinstance(error, InferenceError):
                 raise error
-            self._health.take_out(server, error)
+            self.take_out(server, error)
         if errors:
             raise InferenceError(f"{what} failed on {len(errors)} of {len(servers)} server(s) (taken out): "
                                  + "; ".join(f"{s.address}: {e}" for s, e in errors))

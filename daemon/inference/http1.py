@@ -251,6 +251,7 @@ class HTTP1Client:
         self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
+        self._closed = False
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """(status, body) of one exchange. Raises ``ConnectionError`` (an ``OSError``) when the
@@ -297,6 +298,10 @@ class HTTP1Client:
         return None
 
     async def _connect(self) -> _Connection:
+        if self._closed:
+            # A request still waiting when the client closed must fail, not reopen the server
+            # (its stale-connection retry would otherwise send it again).
+            raise ConnectionError(f"the client of {self._host}:{self._port} is closed")
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
@@ -323,6 +328,8 @@ class HTTP1Client:
         return len(self._all)
 
     def close(self) -> None:
+        """Close every connection: requests waiting on one fail with ``ConnectionError``."""
+        self._closed = True
         self._idle = []
         for conn in list(self._all):
             conn.close()

@@ -3,7 +3,9 @@
 Routing: a trajectory's turns stay on the server that served its first turn (so the server's
 prefix cache holds its history); a new trajectory goes to the healthy server with the fewest
 calls in flight. Servers are added and removed at run time, and a background health check takes
-failing servers out and puts recovered ones back.
+failing servers out and puts recovered ones back. Removing a server aborts its calls through the
+server's own abort route; each turn, awaiting its call in its own task, sees it end (finish
+reason ``abort``, or an error once the server is closed) and starts again on another server.
 
 Failures: when a server fails a call (connection lost, HTTP 5xx, an answer that breaks the
 protocol) it is taken out and the WHOLE turn starts again on another server: partial output is
@@ -30,6 +32,7 @@ the call was sent; and ``straddled`` where a version change fell inside the call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -53,13 +56,9 @@ from rolloutd.native_io.errors import (
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
-"""How long a removed server's aborted calls may take to stop before it is closed anyway."""
-
-
-def _cancelling() -> bool:
-    """Whether the running task itself is being cancelled (by its caller or a timeout)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+"""How long a removed server's aborted calls may take to stop before its connections are closed."""
+ABORT_REPEAT_S = 0.5
+"""How often the aborts of a removed server's calls that are still running are sent again."""
 
 
 def label_versions(result: GenerateResult, sent: str, *, straddled: bool) -> None:
@@ -138,10 +137,12 @@ class ServerPool:
         logger.info("added %s server %s (%d in the pool)", backend.kind, backend.address, len(self._servers))
         return backend.address
 
-    async def remove_server(self, address: str, *, drain_timeout_s: float = 0.0) -> None:
+    async def remove_server(self, address: str, *, drain_timeout_s: float = 0.0,
+                            abort_timeout_s: float = ABORT_TIMEOUT_S) -> None:
         """Stop sending calls to ``address``; calls still running there after
-        ``drain_timeout_s`` are aborted and their turns started again on other servers (the
-        turns' own tasks go on undisturbed); then close it."""
+        ``drain_timeout_s`` are aborted on the server (its abort route) and their turns start
+        again on other servers; then it is closed, which also ends calls that did not stop
+        within ``abort_timeout_s``. No task is cancelled: each turn sees its call end."""
         server = self._servers.get(address)
         if server is None:
             raise NotFound(f"{address} is not in the pool (servers: {sorted(self._servers)})")
@@ -155,15 +156,8 @@ class ServerPool:
             except TimeoutError:
                 logger.info("%s still has %d calls after %.1fs of draining; moving them", address,
                             server.in_flight, drain_timeout_s)
-        for call in server.calls.values():
-            call.cancel(f"rolloutd: inference server {address} was removed from the pool")
         if server.in_flight:
-            try:
-                async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    await server.idle.wait()
-            except TimeoutError:
-                logger.warning("%d calls on removed server %s did not stop within %gs (ABORT_TIMEOUT_S)",
-                               server.in_flight, address, ABORT_TIMEOUT_S)
+            await _abort_calls(server, abort_timeout_s)
         del self._servers[address]
         await server.backend.close()
         logger.info("removed %s (%d servers left)", address, len(self._servers))
@@ -216,34 +210,32 @@ class ServerPool:
             rid = base_id if attempt == 0 else f"{base_id}-retry{attempt}"
             attempt += 1
             sent, epoch = self._weight_version, self._version_epoch
-            call = loop.create_task(server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining),
-                                    name=f"inference-{rid}")
-            server.calls[rid] = call
+            server.calls.add(rid)
             server.in_flight += 1
             server.dispatched += 1
             server.idle.clear()
             try:
-                # Awaiting the call: a cancel of this turn reaches the call and waits for its abort.
-                result = await call
-            except asyncio.CancelledError:
-                if server.removed and call.cancelled() and not _cancelling():
-                    # remove_server aborted the call, not the turn's caller: the turn moves.
-                    logger.info("turn %s moved off removed server %s", rid, server.address)
-                    self._sticky.pop(trajectory_id, None)
-                    continue
-                raise
+                # Awaited in the turn's own task (a task per call cost ~3 ms of scheduling at 256
+                # in flight); cancelling the turn aborts the call on the server (the backend's rule).
+                result = await server.backend.generate(prompt_ids, params, request_id=rid, timeout_s=remaining)
             except (InferenceTimeout, InferenceRejected):
                 raise
             except InferenceError as e:
+                if server.removed:  # closed by remove_server after its abort timeout
+                    self._moved(rid, server, trajectory_id, e)
+                    continue
                 self._health.take_out(server, e)
                 self._sticky.pop(trajectory_id, None)
                 failures.append(e)
                 continue
             finally:
-                del server.calls[rid]
+                server.calls.discard(rid)
                 server.in_flight -= 1
                 if server.in_flight == 0:
                     server.idle.set()
+            if server.removed and result.finish_reason == "abort":
+                self._moved(rid, server, trajectory_id, "aborted")
+                continue
             label_versions(result, sent, straddled=self._version_epoch != epoch)
             if result.weight_version:
                 server.weight_version = result.weight_version
@@ -260,6 +252,12 @@ class ServerPool:
             raise last
         raise NoInferenceServer(f"no healthy inference server for turn {base_id} "
                                 f"(pool: {self._health.describe()}); add servers or wait for the health check")
+
+    def _moved(self, rid: str, server: PoolServer, trajectory_id: str, why: object) -> None:
+        """A turn whose call ended because its server was removed starts again elsewhere (not a
+        failure: it does not count against max_attempts)."""
+        logger.info("turn %s moved off removed server %s (%s)", rid, server.address, why)
+        self._sticky.pop(trajectory_id, None)
 
     async def _wait_for_server(self, trajectory_id: str, deadline: float) -> PoolServer | None:
         """A usable server once one comes back, within ``server_wait_s`` and the deadline."""
@@ -324,3 +322,28 @@ class ServerPool:
         servers = list(self._servers.values())
         self._servers.clear()
         await asyncio.gather(*(s.backend.close() for s in servers), return_exceptions=True)
+
+
+async def _abort_calls(server: PoolServer, timeout_s: float) -> None:
+    """Abort every call in flight on the removed ``server`` and wait, up to ``timeout_s``, for
+    them to end (each ends with finish reason ``abort`` and its turn moves). The aborts of calls
+    still running go again every ``ABORT_REPEAT_S``: vLLM ignores an abort of an id its engine
+    has not admitted yet, and says neither when it admits one nor that it ignored the abort."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    logger.info("aborting %d calls on removed server %s", server.in_flight, server.address)
+    try:
+        async with asyncio.timeout_at(deadline):
+            while server.in_flight:
+                rids = sorted(server.calls)
+                results = await asyncio.gather(*(server.backend.abort(rid) for rid in rids), return_exceptions=True)
+                for rid, result in zip(rids, results):
+                    if isinstance(result, BaseException):
+                        # Closing the server's connections (last) ends the call all the same.
+                        logger.info("abort of %s on removed server %s failed: %s", rid, server.address, result)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(ABORT_REPEAT_S):
+                        await server.idle.wait()
+    except TimeoutError:
+        logger.warning("%d calls on removed server %s did not stop within %gs of their abort "
+                       "(abort_timeout_s); closing its connections", server.in_flight, server.address, timeout_s)

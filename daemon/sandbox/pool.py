@@ -235,7 +235,7 @@ class WarmPool:
         self._closing = False
         self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
                          "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0,
-                         "start_wait_s": 0.0}
+                         "given_censuses": 0, "start_wait_s": 0.0}
         self._given_census: tuple[float, Counter[int]] | None = None
         self.last_start_error: str | None = None
 
@@ -430,10 +430,10 @@ class WarmPool:
                 await lease.stop_sandbox()
 
     def take_census(self, census: Counter[int]) -> None:
-        """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc
-        for all the workers of a node, where each worker would otherwise read every process of
-        the host itself. The watchdog uses it while it is fresh, and scans on its own otherwise."""
+        """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc for all the
+        workers of a node (each would read every process of the host). Used while fresh, else the watchdog scans."""
         self._given_census = (time.monotonic(), census)
+        self.counters["given_censuses"] += 1
 
     def _fresh_census(self) -> Counter[int] | None:
         if self._given_census is None:

@@ -21,14 +21,13 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, OutputCollector, tail
 from rolloutd.native_io.spawn import Child, spawn
 from rolloutd.native_io.wire import ExecuteResult
 
-from ..sandbox.base import Sandbox
 from .jupyter_wire import KernelChannels, KernelMessage
 
 log = logging.getLogger(__name__)
@@ -37,12 +36,37 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
 
 
+class KernelHost(Protocol):
+    """What a kernel needs of the sandbox it runs in (a :class:`~rolloutd.daemon.sandbox.base.Sandbox`
+    is one): sessions sit below the sandbox pool, which starts kernels, so they do not import it."""
+
+    id: str
+    session_ids: set[int]
+    """Sessions started in it; the kernel's is added while it runs."""
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def run_dir_inside(self) -> str: ...
+
+    @property
+    def workspace_inside(self) -> str: ...
+
+    @property
+    def python(self) -> str: ...
+
+    def limits_prelude(self) -> str: ...
+
+    def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]: ...
+
+
 class KernelSession:
     """One kernel process in one sandbox. Cells run one at a time."""
 
     def __init__(
         self,
-        sandbox: Sandbox,
+        sandbox: KernelHost,
         *,
         ready_timeout_s: float = 60.0,
         interrupt_grace_s: float = 2.0,
