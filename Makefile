@@ -28,7 +28,7 @@ apptainer:
 	scripts/install-apptainer
 
 image: apptainer
-	scripts/build-image
+	scripts/build-image --sif
 
 # Whom a root daemon's workers and sandboxes run as: never root (see daemon/node/sandbox_user.py).
 sandbox-user:
