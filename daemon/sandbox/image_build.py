@@ -8,7 +8,7 @@ References (``SandboxSpec.image``):
   is the default image (its SIF: ``scripts/build-image --sif``); ``FROM name:tag`` is an archive
   imported earlier whose ``docker save`` listed that tag.
 - ``docker-archive:/abs/file.tar`` (``docker save``) and ``oci:/abs/layout`` (an OCI image layout
-  folder; ``oci:/abs/layout:ref`` picks a tagged manifest): unpacked by Apptainer, offline.
+  folder of one image): unpacked by Apptainer, offline.
 
 Builds run as the calling user with ``--fakeroot`` (root inside, mapped onto that user and its
 ``/etc/subuid`` range: ``scripts/add-sandbox-user`` gives the sandbox user one), so a Dockerfile's
@@ -25,9 +25,11 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import shutil
 import tarfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ PREFIXES = ("dockerfile:", "docker-archive:", "oci:")
 DEFAULT_BASE = "rolloutd/default"
 BUILD_TIMEOUT_S = 900.0
 """One ``apptainer build`` (a Dockerfile's RUN steps included); ROLLOUTD_IMAGE_BUILD_TIMEOUT_S raises it."""
+FROM_LINE = re.compile(r"^\s*FROM\s", re.IGNORECASE | re.MULTILINE)
 NAMES_FOLDER = "names"
 """Under the build cache: ``<name>`` -> the hash of an imported archive that listed that tag."""
 
@@ -115,14 +118,21 @@ def _plan_archive(image: str) -> BuildPlan:
                              "absolute path to a `docker save` tar)")
         tags = _archive_tags(image, path)
         return BuildPlan(kind, f"docker-archive:{path}", None, path.parent, _file_hash(kind, path), tags)
-    layout, _, ref = rest.partition(":")
-    path = Path(layout)
+    path = Path(rest)
     if not path.is_absolute() or not (path / "index.json").is_file() or not (path / "oci-layout").is_file():
         raise ImageError(f"image {image}: step 'read OCI layout': {path} is not an OCI image layout folder "
                          "(index.json and oci-layout missing)")
-    digest = hashlib.sha256(f"{kind}\0{ref}\0".encode())
-    digest.update((path / "index.json").read_bytes())
-    return BuildPlan(kind, f"oci:{path}" + (f":{ref}" if ref else ""), None, path, digest.hexdigest()[:24])
+    index = (path / "index.json").read_bytes()
+    try:
+        manifests = json.loads(index)["manifests"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ImageError(f"image {image}: step 'read OCI layout': its index.json is not an OCI index: {e}") from e
+    if not isinstance(manifests, list) or len(manifests) != 1:
+        # Apptainer's oci: source takes no reference: it builds a layout of one image.
+        raise ImageError(f"image {image}: step 'read OCI layout': index.json must list exactly one manifest "
+                         f"(it lists {len(manifests) if isinstance(manifests, list) else manifests!r})")
+    digest = hashlib.sha256(f"{kind}\0".encode() + index)
+    return BuildPlan(kind, f"oci:{path}", None, path, digest.hexdigest()[:24])
 
 
 def _parse_dockerfile(image: str) -> tuple[Path, dict[str, Any]]:
@@ -137,9 +147,11 @@ def _parse_dockerfile(image: str) -> tuple[Path, dict[str, Any]]:
         recipes = DockerParser(str(dockerfile)).recipe
     except Exception as e:  # spython raises bare exceptions on what it cannot parse
         raise ImageError(f"image {image}: step 'convert Dockerfile (spython)': {e}") from e
-    if len(recipes) != 1:
-        raise ImageError(f"image {image}: step 'convert Dockerfile (spython)': {len(recipes)} stages; only "
-                         "single-stage Dockerfiles are built here")
+    # spython folds a second FROM into the first stage (measured, 0.3.14): count them here.
+    stages = len(FROM_LINE.findall(dockerfile.read_text()))
+    if len(recipes) != 1 or stages != 1 or any(r.layer_files for r in recipes.values()):
+        raise ImageError(f"image {image}: step 'convert Dockerfile (spython)': {stages} FROM lines; only "
+                         "single-stage Dockerfiles (no COPY --from) are built here")
     context = dockerfile.parent.resolve()
     for source, _ in next(iter(recipes.values())).files:
         resolved = (context / source).resolve()
@@ -207,9 +219,26 @@ def _tree_hash(root: Path) -> str:
     return digest.hexdigest()
 
 
+def _check_subordinate_ids(image: str) -> None:
+    """``apptainer build --fakeroot`` needs the caller's range in /etc/subuid; say so before it fails
+    with its own terse message."""
+    user = pwd.getpwuid(os.getuid()).pw_name
+    try:
+        with open("/etc/subuid") as f:
+            owners = {line.split(":", 1)[0] for line in f if ":" in line}
+    except OSError:
+        owners = set()
+    if user not in owners and str(os.getuid()) not in owners:
+        raise ImageError(f"image {image}: step 'apptainer build': user {user} has no subordinate id range in "
+                         "/etc/subuid, which `apptainer build --fakeroot` needs (scripts/add-sandbox-user gives the "
+                         "sandbox user one; a root node daemon builds images in its workers, as that user)")
+
+
 async def _build(image: str, plan: BuildPlan, target: Path) -> None:
-    staging = target.with_name(f"{target.name}.partial")
-    await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
+    _check_subordinate_ids(image)
+    # A staging folder of its own: a failed build's files owned by subordinate ids may be beyond
+    # this user's rmtree, and must not block the next try.
+    staging = target.with_name(f"{target.name}.partial-{os.getpid()}-{time.monotonic_ns()}")
     staging.mkdir(parents=True)
     source = plan.source
     if plan.definition is not None:
