@@ -106,9 +106,12 @@ def test_archive_and_oci_layout_build_offline_and_a_dockerfile_builds_on_the_arc
     # A RUN step that fails: the error names the build step and shows its output.
     (context / "bad").mkdir()
     (context / "bad" / "Dockerfile").write_text(f"FROM {tag}\nRUN echo about-to-fail && exit 7\n")
+    cache = Path(derived).parent.parent
+    before = set(cache.iterdir())
     r = resolve_as_sandbox_user(f"dockerfile:{context}/bad", timeout_s=BUILD_TIMEOUT_S)
     assert r.returncode == 3 and "step 'apptainer build'" in r.stderr and "about-to-fail" in r.stderr, r.stderr
-    assert not list(Path(derived).parent.parent.glob("*.partial*")), "a failed build left its staging folder"
+    assert [p.name for p in set(cache.iterdir()) - before if not p.name.endswith(".lock")] == [], \
+        "a failed build left its staging folder or a result"
 
 
 @pytest.mark.parametrize("files, image, step", [
