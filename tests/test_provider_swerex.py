@@ -12,6 +12,9 @@ from swerex.exceptions import CommandTimeoutError, NonZeroExitCodeError, Session
 from swerex.runtime.abstract import (BashAction, BashInterruptAction, CloseBashSessionRequest, Command,
                                      CreateBashSessionRequest, ReadFileRequest, UploadRequest, WriteFileRequest)
 
+from minisweagent.environments.extra.swerex_docker import SwerexDockerEnvironment, SwerexDockerEnvironmentConfig
+from minisweagent.exceptions import Submitted
+
 from daemon_fixtures import node_daemon
 from rolloutd.client.providers.swerex import RolloutdDeployment
 from rolloutd.client.sync_client import RolloutClient
@@ -20,6 +23,15 @@ from support.waits import wait_until
 pytestmark = [pytest.mark.apptainer, pytest.mark.timeout(300)]
 STATS_TIMEOUT_S = 10.0
 """Workers report their pools once a second; a report this late means something is stuck."""
+
+
+class _MiniSweAgentEnvironment(SwerexDockerEnvironment):
+    """mini-swe-agent's SWE-ReX environment on a started rolloutd deployment (its own __init__
+    starts a Docker one)."""
+
+    def __init__(self, deployment: RolloutdDeployment) -> None:
+        self.config = SwerexDockerEnvironmentConfig(image="default", cwd="/workspace", timeout=60)
+        self.deployment = deployment
 
 
 def _leased(address: str) -> int:
@@ -69,6 +81,14 @@ def test_swerex_runtime_on_a_rolloutd_sandbox(short_tmp: Path) -> None:
             asyncio.run(runtime.upload(UploadRequest(source_path=str(tree), target_path="/workspace/tools")))
             obs = asyncio.run(runtime.run_in_session(BashAction(command="/workspace/tools/bin/hello")))
             assert obs.output.strip() == "hello from tools"
+            # mini-swe-agent's own SWE-ReX environment, its deployment swapped for ours: its execute()
+            # (Command with shell, cwd, merged streams, under asyncio.run) and its submit check.
+            env = _MiniSweAgentEnvironment(deployment)
+            out = env.execute({"command": "pwd && echo to-stderr >&2 && (exit 2)"}, cwd="/workspace/tools")
+            assert (out["output"].split(), out["returncode"]) == (["/workspace/tools", "to-stderr"], 2), out
+            with pytest.raises(Submitted) as submitted:
+                env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo the patch"})
+            assert submitted.value.messages[0]["extra"]["submission"].strip() == "the patch"
             asyncio.run(runtime.close_session(CloseBashSessionRequest()))
             wait_until(lambda: _leased(address) == 1, STATS_TIMEOUT_S, "the deployment's sandbox shown leased")
         finally:
