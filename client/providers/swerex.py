@@ -10,24 +10,17 @@ sandbox's persistent shell:
 - ``execute(Command)`` runs in a subshell of that shell (its ``cd``/``env`` do not leak into the
   session), stdout and stderr apart unless ``merge_output_streams``; ``env`` adds to the
   environment rather than replacing it;
-- ``read_file``/``write_file``/``upload`` move bytes through the shell as base64.
+- ``read_file``/``write_file``/``upload`` move bytes through the shell (:mod:`shell_channel`).
 SWE-agent calls each coroutine under its own ``asyncio.run``: every call here goes through the
 blocking client on a worker thread, so no call depends on the loop it runs in.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import io
 import logging
 import shlex
-import tarfile
-import threading
-import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from swerex.deployment.abstract import AbstractDeployment
 from swerex.deployment.hooks.abstract import CombinedDeploymentHook, DeploymentHook
@@ -38,38 +31,24 @@ from swerex.runtime.abstract import (AbstractRuntime, BashAction, BashInterruptA
                                      CreateBashSessionResponse, IsAliveResponse, ReadFileResponse, UploadResponse,
                                      WriteFileResponse)
 
-from rolloutd.client.sync_client import RolloutClient, Sandbox
 from rolloutd.native_io.errors import CommandTimeout, RolloutdError
 from rolloutd.native_io.pty_session import CommandResult
 
-T = TypeVar("T")
-CHUNK_BYTES = 48 << 10
-"""Bytes (base64 when written) moved per shell command: well under a PTY's line limits and a
-command's output cap."""
-FILE_TIMEOUT_S = 60.0
-"""One chunk of a file moved through the shell."""
+from .shell_channel import FILE_TIMEOUT_S, ShellChannel
+
 OPEN_TIMEOUT_S = 600.0
 """Leasing the sandbox: its image may be built first (a Dockerfile image)."""
 
 
 class RolloutdRuntime(AbstractRuntime):
-    def __init__(self, client: RolloutClient, sandbox: Sandbox, *, logger: logging.Logger | None = None) -> None:
+    def __init__(self, channel: ShellChannel, *, logger: logging.Logger | None = None) -> None:
         self.logger = logger or logging.getLogger(__name__)
-        self._client, self._sandbox = client, sandbox
-        self._lock = threading.Lock()
-        """The blocking client runs its own loop: one call at a time."""
+        self._channel = channel
         self._session: str | None = None
-
-    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        def locked() -> T:
-            with self._lock:
-                return fn(*args, **kwargs)
-
-        return await asyncio.to_thread(locked)
 
     async def _run(self, command: str, timeout: float | None) -> CommandResult:
         try:
-            return await self._call(self._sandbox.run, command, timeout_s=timeout)
+            return await self._channel.run(command, timeout)
         except CommandTimeout as e:
             raise CommandTimeoutError(f"Timeout ({timeout}s) exceeded while running command: {e}") from e
 
@@ -122,10 +101,13 @@ class RolloutdRuntime(AbstractRuntime):
             line = f"env {' '.join(shlex.quote(f'{k}={v}') for k, v in command.env.items())} {line}"
         if command.cwd:
             line = f"cd {shlex.quote(command.cwd)} && {line}"
-        stderr = f"/tmp/.rolloutd-swerex-{uuid.uuid4().hex}"
-        merged = command.merge_output_streams
-        r = await self._run(f"( {line} ) 2>{'&1' if merged else stderr} </dev/null", command.timeout)
-        err = "" if merged else (await self._run(f"cat {stderr} 2>/dev/null; rm -f {stderr}", FILE_TIMEOUT_S)).output
+        if command.merge_output_streams:
+            r, err = await self._run(f"( {line} ) 2>&1 </dev/null", command.timeout), ""
+        else:
+            try:
+                r, err = await self._channel.run_split(line, command.timeout)
+            except CommandTimeout as e:
+                raise CommandTimeoutError(f"Timeout ({command.timeout}s) exceeded while running command: {e}") from e
         response = CommandResponse(stdout=r.output, stderr=err, exit_code=r.exit_code)
         if command.check and r.exit_code != 0:
             msg = (f"Command {command.command!r} failed with exit code {r.exit_code}. Stdout:\n{r.output!r}\n"
@@ -134,58 +116,25 @@ class RolloutdRuntime(AbstractRuntime):
         return response
 
     async def read_file(self, request: Any) -> ReadFileResponse:
-        path = shlex.quote(request.path)
-        r = await self._run(f"test -f {path} || exit 44; stat -c %s {path}", FILE_TIMEOUT_S)
-        if r.exit_code == 44:
-            raise FileNotFoundError(f"no file {request.path} in rolloutd sandbox {self._sandbox.id}")
-        if r.exit_code != 0:
-            raise SwerexException(f"cannot read {request.path}: {r.output[-500:]}")
-        size, data = int(r.output.strip()), bytearray()
-        # In chunks: a command's output is capped (the sandbox's output limit).
-        while len(data) < size:
-            r = await self._run(f"tail -c +{len(data) + 1} {path} | head -c {CHUNK_BYTES} | base64 -w0", FILE_TIMEOUT_S)
-            chunk = base64.b64decode(r.output.strip()) if r.exit_code == 0 and not r.truncated else b""
-            if not chunk:
-                raise SwerexException(f"cannot read {request.path} at byte {len(data)}: {r.output[-500:]}")
-            data += chunk
-        return ReadFileResponse(content=bytes(data).decode(request.encoding or "utf-8", request.errors or "strict"))
+        data = await self._channel.read_bytes(request.path)
+        return ReadFileResponse(content=data.decode(request.encoding or "utf-8", request.errors or "strict"))
 
     async def write_file(self, request: Any) -> WriteFileResponse:
-        await self._write_bytes(request.path, request.content.encode())
+        await self._channel.write_bytes(request.path, request.content.encode())
         return WriteFileResponse()
 
     async def upload(self, request: Any) -> UploadResponse:
         source = Path(request.source_path)
         if source.is_dir():
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-                tar.add(source, arcname=".")
-            archive = f"/tmp/.rolloutd-swerex-{uuid.uuid4().hex}.tgz"
-            await self._write_bytes(archive, buf.getvalue())
-            target = shlex.quote(request.target_path)
-            r = await self._run(f"mkdir -p {target} && tar xzf {archive} -C {target}; rc=$?; rm -f {archive}; "
-                                "exit $rc", FILE_TIMEOUT_S)
-            if r.exit_code != 0:
-                raise SwerexException(f"cannot unpack {source} into {request.target_path}: {r.output[-500:]}")
+            await self._channel.upload_tree(source, request.target_path)
         elif source.is_file():
-            await self._write_bytes(request.target_path, source.read_bytes())
+            await self._channel.write_bytes(request.target_path, source.read_bytes())
         else:
             raise FileNotFoundError(f"upload source {source} does not exist")
         return UploadResponse()
 
-    async def _write_bytes(self, path: str, data: bytes) -> None:
-        quoted = shlex.quote(path)
-        encoded = base64.b64encode(data).decode()
-        r = await self._run(f"mkdir -p \"$(dirname {quoted})\" && : > {quoted}", FILE_TIMEOUT_S)
-        for start in range(0, len(encoded), CHUNK_BYTES):
-            if r.exit_code != 0:
-                break
-            r = await self._run(f"echo {encoded[start:start + CHUNK_BYTES]} | base64 -d >> {quoted}", FILE_TIMEOUT_S)
-        if r.exit_code != 0:
-            raise SwerexException(f"cannot write {path} in rolloutd sandbox {self._sandbox.id}: {r.output[-500:]}")
-
     async def close(self) -> CloseResponse:
-        await self._call(self._sandbox.close)
+        await self._channel.close()
         return CloseResponse()
 
 
@@ -198,7 +147,6 @@ class RolloutdDeployment(AbstractDeployment):
         self.logger = logger or logging.getLogger(__name__)
         self._address, self._image, self._network, self._open_timeout_s = address, image, network, open_timeout_s
         self._hooks = CombinedDeploymentHook()
-        self._client: RolloutClient | None = None
         self._runtime: RolloutdRuntime | None = None
 
     def add_hook(self, hook: DeploymentHook) -> None:
@@ -215,23 +163,11 @@ class RolloutdDeployment(AbstractDeployment):
 
     async def start(self) -> None:
         self._hooks.on_custom_step(f"Leasing a rolloutd sandbox (image {self._image})")
-
-        def open_() -> tuple[RolloutClient, Sandbox]:
-            client = RolloutClient(self._address)
-            try:
-                return client, client.open_sandbox(image=self._image, network=self._network, ipython=False,
-                                                   timeout_s=self._open_timeout_s)
-            except BaseException:
-                client.close()
-                raise
-
-        self._client, sandbox = await asyncio.to_thread(open_)
-        self._runtime = RolloutdRuntime(self._client, sandbox, logger=self.logger)
+        channel = await ShellChannel.open(self._address, image=self._image, network=self._network, ipython=False,
+                                          timeout_s=self._open_timeout_s)
+        self._runtime = RolloutdRuntime(channel, logger=self.logger)
 
     async def stop(self) -> None:
-        runtime, client = self._runtime, self._client
-        self._runtime = self._client = None
+        runtime, self._runtime = self._runtime, None
         if runtime is not None:
             await runtime.close()
-        if client is not None:
-            await asyncio.to_thread(client.close)
