@@ -5,11 +5,8 @@ images fail with an error naming the step."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +27,10 @@ SHOW = "show() { for f; do while IFS= read -r l; do echo \"$l\"; done < \"$f\"; 
 
 
 @pytest.fixture
-def context() -> Iterator[Path]:
-    """A folder the sandbox user can read (the builds run as that user)."""
-    path = Path(tempfile.mkdtemp(prefix="rld-img-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def context(short_tmp: Path) -> Path:
+    """A folder the sandbox user can read (the builds run as that user; no socket lives here)."""
+    short_tmp.chmod(0o755)
+    return short_tmp
 
 
 def _exec(image: str, command: str) -> str:
