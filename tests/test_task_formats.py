@@ -16,7 +16,11 @@ from daemon_fixtures import node_daemon
 from task_formats_support import FIXTURES, HARBOR_TASKS, harbor_record, swebench_records
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.sandbox.base import SandboxSpec
+from rolloutd.daemon.sandbox.local import LocalBackend
+from rolloutd.daemon.sandbox.pool import open_lease
 from rolloutd.daemon.tasks import harbor, swebench_task
+from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import resolve_task
 from rolloutd.native_io.errors import TaskError
 
@@ -52,6 +56,19 @@ def test_harbor_records_are_checked(tmp_path: Path) -> None:
     (broken / "task.toml").write_text("[verifier\n")
     with pytest.raises(TaskError, match="not valid TOML"):
         resolve_task("", "", harbor_record(broken))
+
+
+async def test_harbor_tasks_refuse_a_sandbox_that_isolates_nothing(short_tmp: Path) -> None:
+    """Their paths are absolute: on the local backend /tests and /logs would be the host's."""
+    task = resolve_task("", "", harbor_record(FIXTURES / "harbor" / "greeting-file"))
+    existed = Path("/logs/verifier").exists()
+    lease = await open_lease(LocalBackend(short_tmp).create(SandboxSpec(ipython=False)))
+    try:
+        with pytest.raises(TaskError, match="need an isolated sandbox"):
+            await get_task_type("harbor").setup(task, lease, cache_dir=short_tmp / "cache")
+        assert Path("/logs/verifier").exists() == existed, "the host's /logs was written"
+    finally:
+        await lease.destroy()
 
 
 def test_swebench_records_are_checked() -> None:

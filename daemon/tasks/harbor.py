@@ -86,6 +86,10 @@ class HarborTaskType(TaskType):
             {**record, "image": image}, "image", str), {**record, **derived})
 
     async def setup(self, task: Task, lease: "Lease", *, cache_dir: Path) -> str:
+        if not lease.sandbox.isolated:
+            # Its paths are absolute (/tests, /logs, /solution): on the local backend, the host's.
+            raise TaskError(f"task {task.instance_id}: Harbor tasks need an isolated sandbox (the apptainer backend), "
+                            f"not {lease.sandbox.backend_name!r}")
         workdir = task.record["workdir"] or lease.sandbox.workspace_inside
         folders = " ".join(shlex.quote(f) for f in (VERIFIER_LOGS, AGENT_LOGS, workdir))
         r = await lease.run(f"mkdir -p {folders} && cd {shlex.quote(workdir)}", timeout_s=SHELL_STEP_TIMEOUT_S)
