@@ -85,7 +85,7 @@ async def resolve_built_image(image: str, cache: Path, default_sif: Callable[[],
                 base = await default_sif()
             except ImageError as e:
                 raise ImageError(f"image {image}: step 'resolve base image': FROM {name} needs the default image's "
-                                 f"SIF: {e}") from e
+                                 f"SIF, made as root by `scripts/build-image --sif` (part of `make image`): {e}") from e
         else:
             base = _imported_base(image, name, root)
         plan = await asyncio.to_thread(_plan_dockerfile, dockerfile, recipes, base)
