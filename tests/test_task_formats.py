@@ -86,6 +86,16 @@ def test_swebench_records_are_checked() -> None:
         resolve_task("", "", {**record, "FAIL_TO_PASS": "[oops"})
 
 
+async def test_a_log_parser_swebench_does_not_have_is_refused_before_the_agent_runs(short_tmp: Path) -> None:
+    task = resolve_task("", "", {**swebench_records()[0], "log_parser": "parse_log_nothing"})
+    lease = await open_lease(LocalBackend(short_tmp).create(SandboxSpec(ipython=False)))
+    try:
+        with pytest.raises(TaskError, match="not in swebench's PARSER_REGISTRY"):
+            await get_task_type("swebench").setup(task, lease, cache_dir=short_tmp / "cache")
+    finally:
+        await lease.destroy()
+
+
 def _requests() -> list[tuple[str, str, RolloutRequest]]:
     """(instance, oracle|wrong, request) for every fixture."""
     out = []
