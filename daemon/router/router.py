@@ -7,13 +7,22 @@ answers come back the same way and go to the trainer without their header being 
 id in front is the routing key). Array frames are forwarded as they came, never copied or kept.
 
 Promises kept here:
+- an id belongs to its client (``scope``): another client's same id is another request, a cancel
+  reaches only the owner's;
 - every accepted id gets exactly one final answer; a repeated id is joined while in flight and
-  answered again from the record after (if the answer had no arrays), never run twice here;
+  answered again from the record after (if the answer had no arrays, or its trainer could not be
+  reached: then it is kept whole until asked again), never run twice here; a repeat that asks
+  something else is refused (DUPLICATE_REQUEST naming the field);
+- a node's name is held by the live node that proved it first (its CURVE key, or over ipc a token
+  this router issued): another peer registering under it is refused, a restarted node proves it;
+- an answer is taken only from a node the request was sent to, under the key it was sent;
 - a request whose node vanishes (its connection closes, or it misses heartbeats for
   ``heartbeat_timeout_s``, or it leaves) is re-dispatched to another node, up to
   ``max_attempts`` nodes; an op pinned to a sandbox of that node is answered SANDBOX_LOST;
-- an answer from a node presumed dead, or for an id no longer on that node, is dropped with its
-  arrays (``late_dropped``): the trainer never gets a second answer;
+- a node presumed dead that answers while the id is pending anywhere is believed (the copy
+  elsewhere is cancelled); an answer for an id already answered is dropped with its arrays
+  (``late_dropped``): the trainer never gets a second answer (see ``recovery`` for what a node
+  that comes back, or a router that restarts, does with the rest);
 - only the owner (or root) may use the ipc sockets (SO_PEERCRED); TCP peers need a listed key.
 The router does no slow work: per message a small header decode at most, a dict lookup, a send.
 """
@@ -24,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -32,7 +42,8 @@ from typing import Any
 
 import zmq
 
-from rolloutd.daemon.common.request_book import checked_id, error_frames, salvage_id
+from rolloutd.daemon.common.request_book import MAX_ID_LEN, checked_id, error_frames, salvage_id
+from rolloutd.daemon.router import scope
 from rolloutd.daemon.router.config import RouterConfig
 from rolloutd.daemon.router.dispatch import NodeEntry
 from rolloutd.daemon.router.flow import RequestFlow
@@ -46,6 +57,7 @@ from rolloutd.native_io.wire import (
     NodeHeartbeat,
     NodeRegister,
     RouterPing,
+    RouterRefused,
     RouterUnknown,
     RouterWelcome,
     node_message,
@@ -82,6 +94,10 @@ class Router:
         self.local_peers: set[bytes] = set()
         """Routing ids on the ipc sockets whose uid was checked."""
         self.allowed_uids = {os.getuid(), 0}
+        self.nodes_tcp = config.nodes_address.startswith("tcp://")
+        self.proofs: dict[bytes, str] = {}
+        """Node link id -> the proof it registered with, kept after it is lost (its late answers)."""
+        self.refused_logged: set[bytes] = set()
         self.started_at = time.time()
         self._stop = asyncio.Event()
 
@@ -96,6 +112,7 @@ class Router:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             self._open_sockets()
+            self.flow.recovery.started()
             log.info("router ready: trainers at %s%s, nodes at %s", self.config.address,
                      f" and {self.config.tcp_bind}" if self.config.tcp_bind else "", self.config.nodes_address)
             if ready is not None:
@@ -105,6 +122,7 @@ class Router:
                 await self._stop.wait()
                 tick.cancel()
             self.flow.shut_down()
+            self.flow.recovery.stopped()
         finally:
             self._close_sockets()
 
@@ -158,14 +176,15 @@ class Router:
         try:
             msg_type, header, _ = framing.decode(rest, max_bytes=self.config.max_message_bytes,
                                                  known_types=CLIENT_TYPES)
-            rid = checked_id(msg_type, header)
+            rid = checked_id(msg_type, header, MAX_ID_LEN)
+            proved = scope.principal(rest[0], local)
         except RolloutdError as e:
             self._send(sock, client, error_frames(salvage_id(rest), e))
             return
         if msg_type == MsgType.CANCEL:
-            self.flow.cancel(rid)
+            self.flow.cancel(proved, rid, header)
         elif msg_type == MsgType.REQUEST:
-            self.flow.accept(sock, client, rid, header, rest, self.status)
+            self.flow.accept(sock, client, proved, rid, header, rest, self.status)
         # RELEASE: answers through the router carry arrays as frames; there is nothing to give back.
 
     def _local_peer_allowed(self, sock: LoopSocket, peer: bytes, rest: list[Any]) -> bool:
@@ -179,13 +198,15 @@ class Router:
         self.local_peers.add(peer)
         return True
 
-    def _send(self, sock: LoopSocket | None, client: bytes, frames: list[Any]) -> None:
+    def _send(self, sock: LoopSocket | None, client: bytes, frames: list[Any]) -> bool:
         assert sock is not None
         try:
             sock.send([client, *frames])
+            return True
         except zmq.ZMQError as e:
-            # The trainer is gone. Its answer is recorded; a retry with the same id gets it.
+            # The trainer is gone (or reconnecting). Its answer is kept; a retry with the same id gets it.
             log.info("trainer %r unreachable (%s); answer kept for a retry", client, e)
+            return False
 
     # --- nodes -----------------------------------------------------------------------------
 
@@ -193,6 +214,12 @@ class Router:
         if len(frames) < 3:
             return
         node_id, envelope = frames[0].bytes, frames[1].bytes
+        if self.nodes_tcp and node_id in self.proofs and self._node_proof(frames[2], "") != self.proofs[node_id]:
+            # Another key took over this link id (ROUTER_HANDOVER): nothing it says is believed.
+            self.flow.counters["bad_answers" if envelope else "names_refused"] += 1
+            log.warning("dropped a message from node link %r: it comes with another key than it registered with",
+                        node_id)
+            return
         if envelope:
             self.flow.on_node_answer(node_id, envelope, frames[2:])
         else:
@@ -206,7 +233,7 @@ class Router:
             log.warning("bad membership message from %r: %s", node_id, e)
             return
         if isinstance(msg, NodeRegister):
-            self._register(node_id, msg)
+            self._register(node_id, msg, frames[0])
         elif isinstance(msg, NodeHeartbeat):
             if node is None:
                 self._send_node(node_id, RouterUnknown("this router does not know the node (it restarted, or "
@@ -221,18 +248,37 @@ class Router:
         elif isinstance(msg, NodeBye) and node is not None:
             self.flow.node_lost(node, f"it left ({msg.reason or 'no reason given'})")
 
-    def _register(self, node_id: bytes, msg: NodeRegister) -> None:
+    def _node_proof(self, frame: Any, token: str) -> str:
+        return scope.principal(frame, False) if self.nodes_tcp else f"token:{token}"
+
+    def _register(self, node_id: bytes, msg: NodeRegister, frame: Any) -> None:
+        known = self.table.get(node_id)
+        token = "" if self.nodes_tcp else (msg.token or (known.proof[len("token:"):] if known else "")
+                                           or secrets.token_hex(16))
+        proof = self._node_proof(frame, token)
+        holder = self.table.claim_conflict(node_id, msg.name, proof)
+        if holder is not None:
+            self.counters["names_refused"] += 1
+            reason = (f"the name {msg.name!r} is held by a live node ({holder.host}, pid {holder.pid}) that proved "
+                      "it first; give this node another --node-name, or stop the other")
+            if node_id not in self.refused_logged:
+                self.refused_logged.add(node_id)
+                log.warning("refused node %r from %s (pid %d): %s", node_id, msg.host, msg.pid, reason)
+            self._send_node(node_id, RouterRefused(reason))
+            return
         for other in self.table.replaced_by(node_id, msg.name):
             self.flow.node_lost(other, "it registered again as a new process")
-        new = self.table.get(node_id) is None
-        self.table.register(node_id, msg)
-        if new:
+        self.proofs[node_id] = proof
+        node = self.table.register(node_id, msg, proof)
+        if known is None:
             self.counters["nodes_joined"] += 1
             log.info("node %s joined from %s (pid %d, %d slots%s)", msg.name, msg.host, msg.pid, msg.capacity.slots,
                      ", draining" if msg.draining else "")
             # Before any request: the inference set-up the others have (it keeps the order).
             self.flow.broadcasts.replay_to(node_id)
-        self._send_node(node_id, RouterWelcome(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s))
+            self.flow.recovery.reconcile(node, msg.running, msg.finished, self.flow.send_to)
+        self._send_node(node_id, RouterWelcome(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s,
+                                               token))
         self.flow.flush()
 
     def _send_node(self, node_id: bytes, msg: Any) -> bool:
@@ -267,6 +313,8 @@ class Router:
             if self.flow.waiting and not self.table.any_accepting:
                 self.flow.expire_waiting(now)
             self.flow.book.forget_expired(now)
+            self.flow.recovery.send_acks()
+            self.flow.flush()  # also what waited while a restarted router heard from its nodes
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
