@@ -32,9 +32,7 @@ from rolloutd.native_io.wire import MsgType
 from rolloutd.native_io.zmq_loop import LoopSocket
 
 MAX_ID_LEN = 200
-"""Characters of a request id as a client chooses it."""
-SCOPED_ID_MAX = MAX_ID_LEN + 16
-"""Characters of an id on a node: the router puts its client's tag in front (``router.scope``)."""
+"""Characters of a request id."""
 CACHE_ANSWER_MAX_BYTES = 1 << 20
 """Answers up to this size are kept for repeats of their id; larger ones are only marked answered."""
 TYPE_ERROR = bytes((MsgType.ERROR,))
@@ -92,11 +90,11 @@ def error_frames(rid: str, e: RolloutdError) -> list[bytes]:
     return framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": {}})
 
 
-def checked_id(msg_type: MsgType, header: dict[str, Any], max_len: int = SCOPED_ID_MAX) -> str:
+def checked_id(msg_type: MsgType, header: dict[str, Any]) -> str:
     """The request id of a decoded client message; RELEASE needs none."""
     rid = header.get("id")
-    if msg_type != MsgType.RELEASE and (not isinstance(rid, str) or not rid or len(rid) > max_len):
-        raise BadRequest(f"request id must be a non-empty string of at most {max_len} characters")
+    if msg_type != MsgType.RELEASE and (not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LEN):
+        raise BadRequest(f"request id must be a non-empty string of at most {MAX_ID_LEN} characters")
     return rid if isinstance(rid, str) else ""
 
 

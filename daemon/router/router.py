@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import time
@@ -42,33 +41,20 @@ from typing import Any
 
 import zmq
 
-from rolloutd.daemon.common.request_book import MAX_ID_LEN, checked_id, error_frames, salvage_id
+from rolloutd.daemon.common.request_book import checked_id, error_frames, salvage_id
 from rolloutd.daemon.router import scope
 from rolloutd.daemon.router.config import RouterConfig
-from rolloutd.daemon.router.dispatch import NodeEntry
 from rolloutd.daemon.router.flow import RequestFlow
+from rolloutd.daemon.router.membership import Membership
 from rolloutd.native_io import framing
 from rolloutd.native_io.curve import CurveServer
 from rolloutd.native_io.errors import PermissionDenied, RolloutdError
-from rolloutd.native_io.wire import (
-    CLIENT_TYPES,
-    MsgType,
-    NodeBye,
-    NodeHeartbeat,
-    NodeRegister,
-    RouterPing,
-    RouterRefused,
-    RouterUnknown,
-    RouterWelcome,
-    node_message,
-    parse_node_message,
-)
+from rolloutd.native_io.wire import CLIENT_TYPES, MsgType, RouterPing, node_message
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
 log = logging.getLogger(__name__)
 
-NODE_TYPES = frozenset({MsgType.NODE})
 TICK_MAX_S = 0.25
 """The router looks at heartbeats and waiting requests at least this often."""
 PROBE_DELAYS_S = (0.02, 0.3)
@@ -77,8 +63,8 @@ and once later."""
 
 
 class Router:
-    """The router process: its sockets, its loop, node membership and heartbeats; the requests
-    themselves go through :class:`RequestFlow`."""
+    """The router process: its sockets, its loop and heartbeat watch; node messages go through
+    :class:`Membership`, the requests themselves through :class:`RequestFlow`."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -94,10 +80,7 @@ class Router:
         self.local_peers: set[bytes] = set()
         """Routing ids on the ipc sockets whose uid was checked."""
         self.allowed_uids = {os.getuid(), 0}
-        self.nodes_tcp = config.nodes_address.startswith("tcp://")
-        self.proofs: dict[bytes, str] = {}
-        """Node link id -> the proof it registered with, kept after it is lost (its late answers)."""
-        self.refused_logged: set[bytes] = set()
+        self.membership = Membership(config, self.flow, self._send_node)
         self.started_at = time.time()
         self._stop = asyncio.Event()
 
@@ -176,7 +159,7 @@ class Router:
         try:
             msg_type, header, _ = framing.decode(rest, max_bytes=self.config.max_message_bytes,
                                                  known_types=CLIENT_TYPES)
-            rid = checked_id(msg_type, header, MAX_ID_LEN)
+            rid = checked_id(msg_type, header)
             proved = scope.principal(rest[0], local)
         except RolloutdError as e:
             self._send(sock, client, error_frames(salvage_id(rest), e))
@@ -211,75 +194,8 @@ class Router:
     # --- nodes -----------------------------------------------------------------------------
 
     def _on_node(self, frames: list[Any]) -> None:
-        if len(frames) < 3:
-            return
-        node_id, envelope = frames[0].bytes, frames[1].bytes
-        if self.nodes_tcp and node_id in self.proofs and self._node_proof(frames[2], "") != self.proofs[node_id]:
-            # Another key took over this link id (ROUTER_HANDOVER): nothing it says is believed.
-            self.flow.counters["bad_answers" if envelope else "names_refused"] += 1
-            log.warning("dropped a message from node link %r: it comes with another key than it registered with",
-                        node_id)
-            return
-        if envelope:
-            self.flow.on_node_answer(node_id, envelope, frames[2:])
-        else:
-            self._on_membership(node_id, self.table.get(node_id), frames[2:])
-
-    def _on_membership(self, node_id: bytes, node: NodeEntry | None, frames: list[Any]) -> None:
-        try:
-            _, header, _ = framing.decode(frames, max_bytes=1 << 20, known_types=NODE_TYPES)
-            msg = parse_node_message(header)
-        except RolloutdError as e:
-            log.warning("bad membership message from %r: %s", node_id, e)
-            return
-        if isinstance(msg, NodeRegister):
-            self._register(node_id, msg, frames[0])
-        elif isinstance(msg, NodeHeartbeat):
-            if node is None:
-                self._send_node(node_id, RouterUnknown("this router does not know the node (it restarted, or "
-                                                       "dropped the node for missed heartbeats); register again"))
-                return
-            node.last_seen = time.monotonic()
-            was_draining = node.draining
-            node.capacity, node.draining = msg.capacity, msg.draining
-            if was_draining != msg.draining:
-                log.info("node %s %s", node.name, "drains: no new work" if msg.draining else "takes work again")
-            self.flow.flush()
-        elif isinstance(msg, NodeBye) and node is not None:
-            self.flow.node_lost(node, f"it left ({msg.reason or 'no reason given'})")
-
-    def _node_proof(self, frame: Any, token: str) -> str:
-        return scope.principal(frame, False) if self.nodes_tcp else f"token:{token}"
-
-    def _register(self, node_id: bytes, msg: NodeRegister, frame: Any) -> None:
-        known = self.table.get(node_id)
-        token = "" if self.nodes_tcp else (msg.token or (known.proof[len("token:"):] if known else "")
-                                           or secrets.token_hex(16))
-        proof = self._node_proof(frame, token)
-        holder = self.table.claim_conflict(node_id, msg.name, proof)
-        if holder is not None:
-            self.counters["names_refused"] += 1
-            reason = (f"the name {msg.name!r} is held by a live node ({holder.host}, pid {holder.pid}) that proved "
-                      "it first; give this node another --node-name, or stop the other")
-            if node_id not in self.refused_logged:
-                self.refused_logged.add(node_id)
-                log.warning("refused node %r from %s (pid %d): %s", node_id, msg.host, msg.pid, reason)
-            self._send_node(node_id, RouterRefused(reason))
-            return
-        for other in self.table.replaced_by(node_id, msg.name):
-            self.flow.node_lost(other, "it registered again as a new process")
-        self.proofs[node_id] = proof
-        node = self.table.register(node_id, msg, proof)
-        if known is None:
-            self.counters["nodes_joined"] += 1
-            log.info("node %s joined from %s (pid %d, %d slots%s)", msg.name, msg.host, msg.pid, msg.capacity.slots,
-                     ", draining" if msg.draining else "")
-            # Before any request: the inference set-up the others have (it keeps the order).
-            self.flow.broadcasts.replay_to(node_id)
-            self.flow.recovery.reconcile(node, msg.running, msg.finished, self.flow.send_to)
-        self._send_node(node_id, RouterWelcome(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s,
-                                               token))
-        self.flow.flush()
+        if len(frames) >= 3:
+            self.membership.on_message(frames)
 
     def _send_node(self, node_id: bytes, msg: Any) -> bool:
         return self._send_raw(node_id, b"", node_message(msg))

@@ -3,7 +3,7 @@
 A client is who it proved to be (its CURVE key over TCP; over the private ipc socket, the owner
 uid or root, all one principal) plus the name it declares (``header["client"]``, one per client
 object of the library, kept across its reconnects). Its id ``x`` becomes ``<tag>.x`` at the
-router and on the nodes, ``tag`` a digest of the owner: two trainers' ``x`` are two requests, a
+router and on the nodes (``<tag>#<digest of x>`` when that would be too long), ``tag`` a digest of the owner: two trainers' ``x`` are two requests, a
 cancel reaches only its owner's request, and a router that restarts computes the same key for
 the same client's ``x``, so it can collect what a node finished for it. The client sees its own
 id in every answer: the node's header is checked against the key it was sent and rewritten.
@@ -16,14 +16,13 @@ from typing import Any
 
 import msgpack
 
-from rolloutd.daemon.common.request_book import SCOPED_ID_MAX, MAX_ID_LEN, as_bytes
+from rolloutd.daemon.common.request_book import MAX_ID_LEN, as_bytes
 from rolloutd.native_io import framing
 from rolloutd.native_io.errors import BadRequest
 
 CLIENT_NAME_MAX = 64
 """Characters of the client name a trainer declares."""
 TAG_BYTES = 6
-assert MAX_ID_LEN + 2 * TAG_BYTES + 1 <= SCOPED_ID_MAX
 
 
 def principal(frame: Any, local: bool) -> str:
@@ -43,7 +42,9 @@ def owner_key(proved: str, header: dict[str, Any], rid: str) -> str:
         raise BadRequest(f"header.client must be a string of at most {CLIENT_NAME_MAX} characters (it names the "
                          "client, kept across its reconnects)")
     tag = hashlib.blake2b(f"{proved}\0{name}".encode(), digest_size=TAG_BYTES).hexdigest()
-    return f"{tag}.{rid}"
+    key = f"{tag}.{rid}"
+    # A node takes ids of MAX_ID_LEN at most: a long one is sent as its digest.
+    return key if len(key) <= MAX_ID_LEN else f"{tag}#{hashlib.blake2b(rid.encode(), digest_size=32).hexdigest()}"
 
 
 def to_node(frames: list[Any], header: dict[str, Any], key: str) -> list[Any]:
