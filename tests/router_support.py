@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import msgpack
 import psutil
 import zmq
 
-from daemon_fixtures import router_daemon, start_nodes, stop_node
+from daemon_fixtures import CLI, router_daemon, start_nodes, stop_node
 from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.node.config import NodeConfig
@@ -158,3 +159,11 @@ def run_log(folder: Path) -> Path:
 def runs(log: Path) -> collections.Counter[str]:
     """Completed runs per request id."""
     return collections.Counter(log.read_text().split())
+
+
+def keygen(folder: Path, name: str) -> tuple[Path, Path]:
+    """``rolloutd keygen``: the (public, secret) key files of ``name``, the secret private."""
+    out = subprocess.run([*CLI, "keygen", name, "--dir", str(folder)], capture_output=True, text=True, check=True)
+    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
+    assert str(public) in out.stdout and (secret.stat().st_mode & 0o777) == 0o600
+    return public, secret

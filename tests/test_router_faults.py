@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 
 from daemon_fixtures import router_daemon, start_nodes, start_router, stop_node
 from router_support import (FAST_HEARTBEATS, NODE_ARGS, Federation, RawTrainer, counted_request, counted_rollout,
-                            federation, run_log, runs)
+                            federation, keygen, run_log, runs)
+from support.net import free_port
 from support.waits import wait_until
 from rolloutd.client.async_client import AsyncRolloutClient
 from rolloutd.daemon.router.dispatch import NodeEntry
@@ -51,31 +54,49 @@ def test_name_claim_rule_on_the_table() -> None:
     assert isinstance(holder, NodeEntry) and table.replaced_by(b"twin/2", "twin") == [holder]
 
 
-def test_a_live_nodes_name_is_refused_to_another_peer(short_tmp: Path) -> None:
+def _twin_setup(base: Path, transport: str) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Router args and, per node, its args to join: over ipc, or over TCP each with its own listed key."""
+    if transport == "ipc":
+        return FAST_HEARTBEATS, [("--router", f"ipc://{base}/router/nodes.sock")] * 2
+    keys, allowed = base / "keys", base / "nodes"
+    allowed.mkdir()
+    router_pub, router_sec = keygen(keys, "router")
+    port = free_port()
+    router = (*FAST_HEARTBEATS, "--node-bind", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(router_sec),
+              "--client-keys-dir", str(allowed), "--node-keys-dir", str(allowed))
+    nodes = []
+    for name in ("twin-a", "twin-b"):
+        public, secret = keygen(keys, name)
+        shutil.copy(public, allowed)
+        nodes.append(("--router", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(secret),
+                      "--router-public-key-file", str(router_pub)))
+    return router, nodes
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_live_nodes_name_is_refused_to_another_peer(short_tmp: Path, transport: str) -> None:
     router_dir, dirs = short_tmp / "router", [short_tmp / "n0", short_tmp / "n1"]
-    with router_daemon(router_dir, *FAST_HEARTBEATS) as address:
-        nodes = f"ipc://{router_dir}/nodes.sock"
+    router_args, joins = _twin_setup(short_tmp, transport)
+    with router_daemon(router_dir, *router_args) as address:
         pids: list[list[int]] = []
         try:
-            for d in dirs:
-                start_nodes([d], "--router", nodes, "--node-name", "twin", *NODE_ARGS)
+            for d, join in zip(dirs, joins):
+                start_nodes([d], *join, "--node-name", "twin", *NODE_ARGS)
                 pids.append([int((d / "node.pid").read_text())])
             trainer = RawTrainer(address)
             try:
-                wait_until(lambda: "refused" in (dirs[1] / "node.log").read_text(), JOIN_TIMEOUT_S,
+                wait_until(lambda: "refused this node" in (dirs[1] / "node.log").read_text(), JOIN_TIMEOUT_S,
                            "the second 'twin' refused")
                 ids = [f"t{i}" for i in range(8)]
                 for rid in ids:
                     trainer.send(rid, "debug.sleep", {"seconds": 0.3})
                 answers = trainer.collect(ids, timeout_s=30, linger_s=1.0)
-                status_trainer = RawTrainer(address)
-                status_trainer.send("st", "status", {})
-                st = status_trainer.collect(["st"], timeout_s=5, linger_s=0)["st"][0][1]["result"]
-                status_trainer.close()
+                trainer.send("st", "status", {})
+                st = trainer.collect(["st"], timeout_s=5, linger_s=0)["st"][0][1]["result"]
             finally:
                 trainer.close()
-            assert all(len(a) == 1 and a[0][0] == REPLY for a in answers.values()), answers
-            assert {a[0][1]["result"]["run_dir"] for a in answers.values()} == {str(dirs[0])}, "only the holder ran them"
+            assert all(len(a) == 1 and a[0][0] == REPLY for i, a in answers.items() if i != "st"), answers
+            assert {answers[i][0][1]["result"]["run_dir"] for i in ids} == {str(dirs[0])}, "only the holder ran them"
             assert [n["name"] for n in st["nodes"]] == ["twin"] and st["counters"]["node_lost"] == 0, st
             assert st["counters"]["names_refused"] >= 1
             assert "is held by a live node" in (router_dir / "router.log").read_text()

@@ -181,6 +181,7 @@ class RequestFlow:
     def on_node_answer(self, node_id: bytes, envelope: bytes, answer: list[Any]) -> None:
         if envelope.startswith(REPLAY_PREFIX):
             self.broadcasts.on_replay_answer(node_id, envelope, answer)
+            self.recovery.ack(node_id, envelope.decode(errors="replace"))
             return
         node = self.table.get(node_id)
         key = envelope.decode(errors="replace")
@@ -193,6 +194,7 @@ class RequestFlow:
             return
         if node is not None and p.broadcast is not None and node_id in p.broadcast.answers:
             self.broadcasts.answer(node, p, answer)
+            self.recovery.ack(node_id, key)
             return
         if node_id in p.withdrawn:  # its copy was cancelled: the answer that says so, or a late one
             self.counters["late_dropped"] += 1
