@@ -170,7 +170,7 @@ async def supervisor_killed(address: str, run_dir: Path, n: int, tasks: list[str
 def router_part(quick: bool) -> tuple[dict[str, Any], list[tuple[str, bool]]]:
     """The router's cases, printed as one row each; their flat figures and targets."""
     cases, targets = router_faults.run_all(quick)
-    columns = ["requests", "answered_once", "lost", "duplicated", "runs_per_request_max"]
+    columns = ["requests", "answered_once", "lost", "duplicated", "runs_per_request_max", "errors"]
     print_table("Router faults during a batch", ["case", *columns], [[name, *(r[c] for c in columns)]
                                                                       for name, r in cases.items()])
     flat = {f"router_{'_'.join(name.replace('-', ' ').replace('+', ' ').split()[:3])}_{k}": v

@@ -8,7 +8,7 @@ its id to a log once it ran to its end, so runs are counted outside the daemons.
 sends and counts every answer (the client library would hide a duplicate); after the router
 restart, and after its reconnect, it asks again for the ids it has no answer for, under the same
 client name. Reported per case: ``requests``, ``answered_once``, ``lost`` (no answer),
-``duplicated`` (more than one), ``runs_per_request_max`` (target 1: a run on a stalled node is
+``duplicated`` (more than one), ``errors`` (an error answer), ``runs_per_request_max`` (target 1: a run on a stalled node is
 cancelled, and work finished while the router was down is collected, not run again).
 """
 
@@ -36,6 +36,8 @@ from router_support import (  # noqa: E402
 )
 from support.waits import wait_until  # noqa: E402
 
+from rolloutd.native_io.wire import MsgType  # noqa: E402
+
 ANSWER_TIMEOUT_S = 120.0
 """A batch of a few seconds' rollouts is answered well within this, faults included."""
 CLIENT = "bench-trainer"
@@ -49,6 +51,7 @@ def _figures(ids: list[str], answers: dict[str, list[Any]], log: Path) -> dict[s
         "lost": sum(r not in answers for r in ids),
         "duplicated": sum(len(answers.get(r, [])) > 1 for r in ids),
         "runs_per_request_max": max((runs[r] for r in ids), default=0),
+        "errors": sum(any(kind == MsgType.ERROR for kind, _, _ in answers.get(r, [])) for r in ids),
     }
 
 
@@ -162,8 +165,8 @@ def run_all(quick: bool) -> tuple[dict[str, dict[str, int]], list[tuple[str, boo
         started = time.monotonic()
         results[name] = case(work, n)
         print(f" - {name}: {time.monotonic() - started:.1f} s")
-    targets = [(f"{name}: answered_once = requests, lost = duplicated = 0, runs_per_request_max = 1",
-                r["answered_once"] == r["requests"] and r["lost"] == r["duplicated"] == 0
+    targets = [(f"{name}: answered_once = requests, lost = duplicated = errors = 0, runs_per_request_max = 1",
+                r["answered_once"] == r["requests"] and r["lost"] == r["duplicated"] == r["errors"] == 0
                 and r["runs_per_request_max"] == 1) for name, r in results.items()]
     targets.append(("duplicate node name: refused, no eviction",
                     results["duplicate node name"]["names_refused"] >= 1

@@ -6,6 +6,7 @@ and started again, and a trainer that reconnects while its answer is on the way.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -54,19 +55,22 @@ def test_name_claim_rule_on_the_table() -> None:
     assert isinstance(holder, NodeEntry) and table.replaced_by(b"twin/2", "twin") == [holder]
 
 
-def _twin_setup(base: Path, transport: str) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """Router args and, per node, its args to join: over ipc, or over TCP each with its own listed key."""
+def _twin_setup(base: Path, transport: str, heartbeats: tuple[str, ...] = FAST_HEARTBEATS,
+                same_key: bool = False) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Router args and, per node, its args to join: over ipc, or over TCP each with its own listed
+    key (``same_key``: both with one, as one node restarted elsewhere)."""
     if transport == "ipc":
-        return FAST_HEARTBEATS, [("--router", f"ipc://{base}/router/nodes.sock")] * 2
+        return heartbeats, [("--router", f"ipc://{base}/router/nodes.sock")] * 2
     keys, allowed = base / "keys", base / "nodes"
     allowed.mkdir()
     router_pub, router_sec = keygen(keys, "router")
     port = free_port()
-    router = (*FAST_HEARTBEATS, "--node-bind", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(router_sec),
+    router = (*heartbeats, "--node-bind", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(router_sec),
               "--client-keys-dir", str(allowed), "--node-keys-dir", str(allowed))
     nodes = []
-    for name in ("twin-a", "twin-b"):
-        public, secret = keygen(keys, name)
+    for name in ("twin-a", "twin-a" if same_key else "twin-b"):
+        public, secret = keygen(keys, name) if not (keys / f"{name}.key").exists() else (
+            keys / f"{name}.key", keys / f"{name}.key_secret")
         shutil.copy(public, allowed)
         nodes.append(("--router", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", str(secret),
                       "--router-public-key-file", str(router_pub)))
@@ -103,6 +107,54 @@ def test_a_live_nodes_name_is_refused_to_another_peer(short_tmp: Path, transport
         finally:
             for d, p in zip(dirs, pids):
                 stop_node(d, p)
+
+
+def test_a_restarted_node_proves_its_name_and_the_old_process_cannot_take_it_back(short_tmp: Path) -> None:
+    """Over TCP the key proves the name: a new process with the node's key takes it over from a
+    frozen old one at once (not after the heartbeat timeout); the old one, when it runs again, is
+    refused instead of evicting the new one in turn."""
+    router_dir, dirs = short_tmp / "router", [short_tmp / "n0", short_tmp / "n1"]
+    slow = ("--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "120")
+    router_args, joins = _twin_setup(short_tmp, "tcp", slow, same_key=True)
+    with router_daemon(router_dir, *router_args) as address:
+        pids: list[list[int]] = []
+        try:
+            start_nodes([dirs[0]], *joins[0], "--node-name", "twin", *NODE_ARGS)
+            pids.append([int((dirs[0] / "node.pid").read_text())])
+            trainer = RawTrainer(address)
+            trainer.send("st0", "status", {})
+            assert trainer.collect(["st0"], timeout_s=5, linger_s=0)["st0"][0][0] == REPLY
+            wait_until(lambda: "registered at router" in (dirs[0] / "node.log").read_text(), JOIN_TIMEOUT_S,
+                       "the first process registered")
+            os.kill(pids[0][0], signal.SIGSTOP)  # frozen: its connection stays open, it misses no deadline yet
+            try:
+                start_nodes([dirs[1]], *joins[1], "--node-name", "twin", *NODE_ARGS)
+                pids.append([int((dirs[1] / "node.pid").read_text())])
+                new = json.loads((dirs[1] / "router-link.json").read_text())["identity"]
+                wait_until(lambda: _status(trainer)["nodes"][0]["identity"] == new, JOIN_TIMEOUT_S,
+                           "the new process holding the name")
+            finally:
+                os.kill(pids[0][0], signal.SIGCONT)
+            wait_until(lambda: "refused this node" in (dirs[0] / "node.log").read_text(), JOIN_TIMEOUT_S,
+                       "the old process refused")
+            ids = [f"t{i}" for i in range(4)]
+            for rid in ids:
+                trainer.send(rid, "debug.sleep", {"seconds": 0.1})
+            answers = trainer.collect(ids, timeout_s=30, linger_s=0.5)
+            st = _status(trainer)
+            trainer.close()
+            assert {answers[i][0][1]["result"]["run_dir"] for i in ids} == {str(dirs[1])}
+            assert [n["identity"] for n in st["nodes"]] == [new]
+            assert st["counters"]["node_lost"] == 1, "replaced once, never back and forth"
+        finally:
+            for d, p in zip(dirs, pids):
+                stop_node(d, p)
+
+
+def _status(trainer: RawTrainer) -> dict[str, Any]:
+    trainer.answers.pop("status", None)
+    trainer.send("status", "status", {})
+    return trainer.collect(["status"], timeout_s=5, linger_s=0)["status"][0][1]["result"]
 
 
 # --- requests owned by their client -------------------------------------------------------------------
@@ -226,11 +278,12 @@ def test_stalled_node_has_its_requeued_work_cancelled(short_tmp: Path) -> None:
             answers = trainer.collect(ids, timeout_s=60, linger_s=2.0)
         finally:
             trainer.close()
-            print((fed.router_dir / "router.log").read_text()[-4000:])
         assert all(len(answers[i]) == 1 and answers[i][0][0] == REPLY for i in ids), answers
+        # The stalled node's copies would have ended by now (5 s): one run each, no more.
+        wait_until(lambda: not any(n["in_flight"] for n in fed.status()["nodes"]), JOIN_TIMEOUT_S, "idle nodes")
+        assert runs(log) == {rid: 1 for rid in ids}, runs(log)
         counters = fed.status()["counters"]
         assert (counters["cancelled_on_return"], counters["resumed_on_return"]) == (1, 1), counters
-    assert runs(log) == {rid: 1 for rid in ids}, runs(log)
 
 
 # --- the router restarts ----------------------------------------------------------------------------------
@@ -267,8 +320,8 @@ def test_router_killed_and_restarted_loses_nothing_and_runs_nothing_twice(short_
     assert lost and lost_after_s < LOST_BOUND_S, "the kill came while they ran: failed at once, not waited on"
     assert sorted(r.request_id for r in second) == lost and all(r.error is None for r in second), second
     assert all(len(r.trajectories) == 1 and r.trajectories[0].request_id == r.request_id for r in second)
-    assert counters["bad_answers"] == 0, counters
     assert runs(log) == {rid: 1 for rid in ids}, runs(log)
+    assert counters["bad_answers"] == 0, counters
 
 
 # --- the trainer reconnects -----------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class Membership:
         self.proofs: dict[bytes, str] = {}
         """Node link id -> the proof it registered with, kept after it is lost (its late answers)."""
         self._refused_logged: set[bytes] = set()
+        self._superseded: set[bytes] = set()
+        """Links replaced by a newer process with the same proof: the old one, back from a stall,
+        may not take the name back (two processes of one node would evict each other in turn)."""
 
     def on_message(self, frames: list[Any]) -> None:
         """``[link id][envelope][type][header]...`` from a node: an answer, or membership."""
@@ -100,16 +103,18 @@ class Membership:
                                      or secrets.token_hex(16))
         proof = self._proof(frame, token)
         holder = self.table.claim_conflict(node_id, msg.name, proof)
-        if holder is not None:
+        if holder is not None or node_id in self._superseded:
             self.counters["names_refused"] += 1
             reason = (f"the name {msg.name!r} is held by a live node ({holder.host}, pid {holder.pid}) that proved "
-                      "it first; give this node another --node-name, or stop the other")
+                      "it first; give this node another --node-name, or stop the other" if holder is not None else
+                      f"a newer process of node {msg.name!r} registered since; stop this one")
             if node_id not in self._refused_logged:
                 self._refused_logged.add(node_id)
                 log.warning("refused node %r from %s (pid %d): %s", node_id, msg.host, msg.pid, reason)
             self._send_node(node_id, RouterRefused(reason))
             return
         for other in self.table.replaced_by(node_id, msg.name):
+            self._superseded.add(other.identity)
             self.flow.node_lost(other, "it registered again as a new process")
         self.proofs[node_id] = proof
         node = self.table.register(node_id, msg, proof)
