@@ -25,6 +25,8 @@ from rolloutd.native_io.wire import MsgType
 
 NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2", "--debug-ops")
 FAST_HEARTBEATS = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0")
+LOG_TAIL_CHARS = 6000
+"""Of the router's log, printed when a test in a federation fails."""
 
 
 @dataclass
@@ -83,6 +85,11 @@ def federation(base: Path, n_nodes: int, *, router_args: tuple[str, ...] = FAST_
             fed.start(list(range(n_nodes)))
             fed.wait_nodes(n_nodes)
             yield fed
+        except BaseException:
+            for log in [router_dir / "router.log", *(d / "node.log" for d in fed.node_dirs)]:
+                with contextlib.suppress(OSError):
+                    print(f"{log}, last lines:\n", log.read_text()[-LOG_TAIL_CHARS:])
+            raise
         finally:
             for d in fed.node_dirs:
                 if d in fed.pids:

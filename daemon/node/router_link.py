@@ -218,7 +218,7 @@ class RouterLink:
             self.interval_s = msg.heartbeat_interval_s
             if msg.token and msg.token != self.token:
                 self.token = msg.token
-                _write_token(self._token_file, msg.token)
+                self._state_changed()  # written with the state, off the loop
         elif isinstance(msg, RouterAck):
             self.answers.acked(msg.ids)
         elif isinstance(msg, RouterRefused):
@@ -248,6 +248,8 @@ class RouterLink:
             if self._state_dirty:
                 self._state_dirty = False
                 await asyncio.to_thread(_write_json, self._state_file, self.state())
+                if self.token:
+                    await asyncio.to_thread(_write_token, self._token_file, self.token)
             capacity = capacity_report(self.supervisor)
             self.answers.expire(time.monotonic())
             if self.registered:
