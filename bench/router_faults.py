@@ -133,6 +133,7 @@ def client_reconnects(work: Path, n: int) -> dict[str, int]:
     log = run_log(work)
 
     def fault(trainer: RawTrainer, ids: list[str]) -> RawTrainer:
+        wait_until(lambda: fed.status()["in_flight"] >= n, 60, "the batch at the router")
         trainer.collect([], timeout_s=5, linger_s=0.3)
         trainer.close()  # gone while its answers come; back as a new connection, same client name
         wait_until(lambda: len(log.read_text().split()) >= n // 2, 60, "half the batch finished")

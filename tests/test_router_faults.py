@@ -332,7 +332,7 @@ def test_answer_arriving_while_its_trainer_reconnects_is_kept_with_arrays(short_
     with federation(short_tmp, 1) as fed:
         gone = RawTrainer(fed.address, client="c")
         gone.send("rc", "rollout", counted_rollout(log, "rc", 1.0))
-        gone.collect([], timeout_s=5, linger_s=0.2)
+        wait_until(lambda: fed.status()["in_flight"] == 1, JOIN_TIMEOUT_S, "the request at the router")
         gone.close()  # it reconnects as a new connection before its answer comes
         wait_until(lambda: fed.status()["in_flight"] == 0 and runs(log)["rc"], 30, "the answer at the router")
         back = RawTrainer(fed.address, client="c")
