@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -164,7 +165,10 @@ def run_all(quick: bool) -> tuple[dict[str, dict[str, int]], list[tuple[str, boo
         work = Path(tempfile.mkdtemp(prefix="rld-"))
         work.chmod(0o700)
         started = time.monotonic()
-        results[name] = case(work, n)
+        try:
+            results[name] = case(work, n)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         print(f" - {name}: {time.monotonic() - started:.1f} s")
     targets = [(f"{name}: answered_once = requests, lost = duplicated = errors = 0, runs_per_request_max = 1",
                 r["answered_once"] == r["requests"] and r["lost"] == r["duplicated"] == r["errors"] == 0
