@@ -6,7 +6,9 @@ answer). While it runs, in turn: a worker is killed with SIGKILL, a sandbox's in
 the inference server is killed and started again on the same port, and one rollout's command
 asks for 20 GiB of memory. Then a second batch loses its supervisor to SIGKILL: the client
 library must fail those calls with DAEMON_LOST (an answer, not a hang), and a new daemon on the
-same run folder must reap what the dead one left.
+same run folder must reap what the dead one left. Then the router's faults (``router_faults``):
+kill -9 and restart of the router, a node stopped past the heartbeat timeout, a duplicate node
+name, a trainer reconnecting mid-batch; ``--router-only`` runs just those (no Apptainer needed).
 
 Reported: ``requests``, ``answered_once``, ``lost`` (no answer), ``duplicated`` (more than one),
 ``infra_marked`` (trajectories whose ``ended_by`` is not the model: never scored),
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import check_targets, print_table, standard_args, write_json  # noqa: E402
 from node_stack import CLI, Policy, start_node  # noqa: E402
 from router_support import RawTrainer  # noqa: E402
+import router_faults  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
 from rolloutd.client.sync_client import RolloutClient  # noqa: E402
@@ -164,8 +167,25 @@ async def supervisor_killed(address: str, run_dir: Path, n: int, tasks: list[str
             "lost_within_s": round(time.monotonic() - started, 2)}
 
 
+def router_part(quick: bool) -> tuple[dict[str, Any], list[tuple[str, bool]]]:
+    """The router's cases, printed as one row each; their flat figures and targets."""
+    cases, targets = router_faults.run_all(quick)
+    columns = ["requests", "answered_once", "lost", "duplicated", "runs_per_request_max", "errors"]
+    print_table("Router faults during a batch", ["case", *columns], [[name, *(r[c] for c in columns)]
+                                                                      for name, r in cases.items()])
+    flat = {f"router_{'_'.join(name.replace('-', ' ').replace('+', ' ').split()[:3])}_{k}": v
+            for name, r in cases.items() for k, v in r.items()}
+    return flat, targets
+
+
 def main() -> int:
-    args = standard_args(__doc__.splitlines()[0]).parse_args()
+    parser = standard_args(__doc__.splitlines()[0])
+    parser.add_argument("--router-only", action="store_true", help="only the router's faults (no Apptainer)")
+    args = parser.parse_args()
+    if args.router_only:
+        flat, targets = router_part(args.quick)
+        write_json(args.json, flat)
+        return 0 if check_targets(targets) else 1
     n = 8 if args.quick else 24
     work = Path(tempfile.mkdtemp(prefix="rld-faults-"))
     plans = oracle_plans()
@@ -201,8 +221,9 @@ def main() -> int:
     for line in log:
         print(" -", line)
     print_table("Faults during a batch", ["figure", "value"], sorted(results.items()))
-    write_json(args.json, results)
-    ok = check_targets([
+    router_flat, router_targets = router_part(args.quick)
+    write_json(args.json, {**results, **router_flat})
+    ok = check_targets([*router_targets,
         ("batch: lost = duplicated = 0, answered_once = requests",
          batch["lost"] == 0 and batch["duplicated"] == 0 and batch["answered_once"] == batch["requests"]),
         ("supervisor killed: every call answered (DAEMON_LOST or done)",

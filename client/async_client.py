@@ -139,8 +139,11 @@ class InferenceControl:
 
 class AsyncRolloutClient(InferenceControl):
     def __init__(self, address: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 arrays: str = "auto", curve: Any = None) -> None:
+                 arrays: str = "auto", curve: Any = None, client_name: str | None = None) -> None:
         self.address = address or default_address()
+        self.client_name = client_name or uuid.uuid4().hex
+        """Who asks, beside the key it proves: a router scopes request ids (and cancels) to it. Give
+        a process that takes over another's work (a restarted trainer) the same name to collect it."""
         self.timeout_s = timeout_s
         self.array_transport = ("shm" if self.address.startswith("ipc://") else "frames") if arrays == "auto" else arrays
         self._curve = curve
@@ -238,8 +241,9 @@ class AsyncRolloutClient(InferenceControl):
             # Pending answers cannot come: the daemon's routing of them died with the connection.
             self._fail_pending(lambda: DaemonLost(
                 f"the daemon at {self.address} went away (its connection closed or it stopped answering "
-                f"heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:.0f} s) while this call was pending; its work is "
-                "lost. See `rolloutd node status` and the daemon's log, then submit again"))
+                f"heartbeats for {HEARTBEAT_TIMEOUT_MS / 1000:.0f} s) while this call was pending. See the "
+                "daemon's log, then submit it again under the same id: behind a router, work a node finished "
+                "or still runs is collected, not run again; a node daemon that restarted lost it"))
             return
         reason = handshake_reason(event)
         self._fail_pending(lambda: PermissionDenied(
@@ -277,7 +281,8 @@ class AsyncRolloutClient(InferenceControl):
             return rid, joined  # the same id in flight: one request, its one answer for every caller
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport})
+        self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport,
+                                     "client": self.client_name})
         return rid, fut
 
     async def _wait(self, op: str, rid: str, fut: asyncio.Future[Reply], limit: float) -> Reply:
@@ -359,7 +364,7 @@ class AsyncRolloutClient(InferenceControl):
 
     async def cancel(self, request_id: str) -> None:
         if self._sock is not None:
-            self._send(MsgType.CANCEL, {"id": request_id})
+            self._send(MsgType.CANCEL, {"id": request_id, "client": self.client_name})
 
     async def release(self, reply: "Reply | RolloutResult") -> None:
         """Done with the reply's arrays: their shared memory goes back to the daemon for reuse, so

@@ -255,6 +255,13 @@ class NodeRegister:
     pid: int
     capacity: NodeCapacity
     draining: bool = False
+    token: str = ""
+    """Over ipc, the proof of the name a router issued it (kept in its run folder across restarts);
+    over TCP the node's CURVE key is the proof."""
+    running: list[str] = field(default_factory=list)
+    """Ids a router sent it that it is still working on."""
+    finished: list[str] = field(default_factory=list)
+    """Ids whose answers it keeps until a router acknowledges them (``RouterAck``)."""
 
 
 @dataclass
@@ -279,6 +286,22 @@ class RouterWelcome:
 
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    token: str = ""
+    """The node's proof of its name from now on (ipc)."""
+
+
+@dataclass
+class RouterRefused:
+    """router -> node: not registered (its name is held by a live node that proved it first)."""
+
+    reason: str
+
+
+@dataclass
+class RouterAck:
+    """router -> node: these answers reached their trainers; the node need keep them no longer."""
+
+    ids: list[str]
 
 
 @dataclass
@@ -301,6 +324,8 @@ NODE_KINDS: dict[str, type] = {
     "welcome": RouterWelcome,
     "unknown": RouterUnknown,
     "ping": RouterPing,
+    "refused": RouterRefused,
+    "ack": RouterAck,
 }
 _KIND_OF = {cls: kind for kind, cls in NODE_KINDS.items()}
 

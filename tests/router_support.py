@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,7 +15,8 @@ import msgpack
 import psutil
 import zmq
 
-from daemon_fixtures import router_daemon, start_nodes, stop_node
+from daemon_fixtures import CLI, router_daemon, start_nodes, stop_node
+from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.sandbox_user import workers_dir
@@ -22,6 +25,8 @@ from rolloutd.native_io.wire import MsgType
 
 NODE_ARGS = ("--backend", "local", "--workers", "1", "--warm", "1", "--router-slots", "2", "--debug-ops")
 FAST_HEARTBEATS = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0")
+LOG_TAIL_CHARS = 6000
+"""Of the router's log, printed when a test in a federation fails."""
 
 
 @dataclass
@@ -80,6 +85,11 @@ def federation(base: Path, n_nodes: int, *, router_args: tuple[str, ...] = FAST_
             fed.start(list(range(n_nodes)))
             fed.wait_nodes(n_nodes)
             yield fed
+        except BaseException:
+            for log in [router_dir / "router.log", *(d / "node.log" for d in fed.node_dirs)]:
+                with contextlib.suppress(OSError):
+                    print(f"{log}, last lines:\n", log.read_text()[-LOG_TAIL_CHARS:])
+            raise
         finally:
             for d in fed.node_dirs:
                 if d in fed.pids:
@@ -90,7 +100,9 @@ def federation(base: Path, n_nodes: int, *, router_args: tuple[str, ...] = FAST_
 class RawTrainer:
     """A bare DEALER that records every answer it gets: the client library would hide a duplicate."""
 
-    def __init__(self, address: str, curve: Any = None) -> None:
+    def __init__(self, address: str, curve: Any = None, client: str | None = None) -> None:
+        self.client = {"client": client} if client is not None else {}
+        """The client identity it declares (the library sends one per client object)."""
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -102,7 +114,10 @@ class RawTrainer:
 
     def send(self, rid: str, op: str, args: dict[str, Any]) -> None:
         self.sock.send_multipart(framing.encode(MsgType.REQUEST, {"id": rid, "op": op, "args": args,
-                                                                  "arrays": "frames"}))
+                                                                  "arrays": "frames", **self.client}))
+
+    def cancel(self, rid: str) -> None:
+        self.sock.send_multipart(framing.encode(MsgType.CANCEL, {"id": rid, **self.client}))
 
     def collect(self, ids: list[str], timeout_s: float, linger_s: float = 1.0) -> dict[str, list[Any]]:
         """Receive until every id has an answer, then ``linger_s`` more to catch any second one."""
@@ -123,3 +138,39 @@ class RawTrainer:
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
+
+
+def counted_request(log: Path, rid: str, seconds: float) -> RolloutRequest:
+    """A real rollout (script agent, inline command task) that appends ``rid`` to ``log`` once it
+    ran to its end: a run cancelled in time leaves no line. Its answer carries trajectory arrays."""
+    record = {"type": "command", "instance_id": rid, "eval_script": "echo 1"}
+    commands = [f"sleep {seconds}", f"echo {rid} >> {log}"]
+    return RolloutRequest(task=record, agent="script", agent_config={"commands": commands}, ipython=False,
+                          request_id=rid)
+
+
+def counted_rollout(log: Path, rid: str, seconds: float) -> dict[str, Any]:
+    """:func:`counted_request`'s args, for a bare trainer."""
+    return counted_request(log, rid, seconds).to_args()
+
+
+def run_log(folder: Path) -> Path:
+    """A log every sandbox user may append to (a root daemon runs sandboxes as another user)."""
+    folder.chmod(0o755)
+    log = folder / "runs.log"
+    log.touch(mode=0o666)
+    log.chmod(0o666)
+    return log
+
+
+def runs(log: Path) -> collections.Counter[str]:
+    """Completed runs per request id."""
+    return collections.Counter(log.read_text().split())
+
+
+def keygen(folder: Path, name: str) -> tuple[Path, Path]:
+    """``rolloutd keygen``: the (public, secret) key files of ``name``, the secret private."""
+    out = subprocess.run([*CLI, "keygen", name, "--dir", str(folder)], capture_output=True, text=True, check=True)
+    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
+    assert str(public) in out.stdout and (secret.stat().st_mode & 0o777) == 0o600
+    return public, secret

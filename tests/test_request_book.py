@@ -14,6 +14,8 @@ from rolloutd.daemon.common.request_book import (
     RequestBook,
     as_bytes,
     checked_id,
+    difference,
+    fingerprint,
     nbytes,
     salvage_id,
 )
@@ -129,3 +131,45 @@ def test_frames_of_every_kind_count_and_size() -> None:
     data = reply("r1")
     assert [as_bytes(memoryview(f)) for f in data] == data and as_bytes(data[0]) == data[0]
     assert [nbytes(memoryview(f)) for f in data] == [len(f) for f in data]
+
+
+def test_a_reused_id_asking_something_else_is_refused_naming_the_field(book: Any) -> None:
+    b, out, _ = book
+    asked = fingerprint({"op": "debug.sleep", "args": {"seconds": 1, "n_tokens": 4}})
+    other = fingerprint({"op": "debug.sleep", "args": {"seconds": 2, "n_tokens": 4}})
+    p = Accepted(rid="r1", client=b"c1", socket=None, op="debug.sleep", frames=[], fingerprint=asked)
+    b.open(p)
+    assert b.repeat("r1", b"c1", None, asked=other)  # in flight
+    assert b.repeat("r1", b"c2", None, asked=dict(asked))  # the same request: joins
+    answer(b, p, reply("r1"))
+    assert b.repeat("r1", b"c1", None, asked=other)  # answered
+    assert b.repeat("r1", b"c1", None, asked={**asked, "op": other["args.seconds"]})
+    kinds = [(c, t, h.get("code"), "args.seconds" in h.get("message", "")) for c, t, h in out.sent]
+    assert kinds[0] == (b"c1", MsgType.ERROR, "DUPLICATE_REQUEST", True), "refused while in flight"
+    assert kinds[1:3] == [(b"c1", MsgType.REPLY, None, False), (b"c2", MsgType.REPLY, None, False)]
+    assert kinds[3] == (b"c1", MsgType.ERROR, "DUPLICATE_REQUEST", True), "and after"
+    assert "another op" in out.sent[4][2]["message"]
+    assert difference(asked, None) is None, "a repeat that says nothing of what it asks is not refused"
+
+
+def test_an_answer_its_asker_could_not_take_is_held_whole_until_collected() -> None:
+    counters = {"duplicates": 0, "replies": 0, "errors": 0}
+    reachable = {b"c1": False}
+    got: list[tuple[bytes, list[Any]]] = []
+
+    def send(socket: Any, client: bytes, frames: list[Any]) -> bool:
+        if not reachable.get(client, True):
+            return False
+        got.append((client, frames))
+        return True
+
+    b: RequestBook[Accepted] = RequestBook(send, counters, completed_ttl_s=60.0)
+    p = Asked("r1", b"c1")
+    b.open(p)
+    whole = [*reply("r1"), b"\x01" * 64]  # with an array frame: not kept for later repeats
+    assert b.answer(p, whole, kept=None, held=whole) is False and b.answered("r1")
+    reachable[b"c1"] = True  # it reconnected
+    assert b.repeat("r1", b"c1", None)
+    assert got == [(b"c1", whole)], "collected with its array"
+    assert b.repeat("r1", b"c1", None)
+    assert got[-1][1][0] == bytes((MsgType.ERROR,)), "collected once: after that, as any answer not kept"

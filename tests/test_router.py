@@ -20,7 +20,7 @@ import pytest
 import uvloop
 
 from daemon_fixtures import CLI, start_nodes, start_router, stop_node, stop_router
-from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation
+from router_support import FAST_HEARTBEATS, Federation, RawTrainer, federation, keygen
 from support.net import free_port
 from support.waits import wait_until
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
@@ -332,20 +332,13 @@ def test_router_restart_nodes_register_again(short_tmp: Path) -> None:
 # --- security ----------------------------------------------------------------------------------------
 
 
-def _keygen(folder: Path, name: str) -> tuple[Path, Path]:
-    out = subprocess.run([*CLI, "keygen", name, "--dir", str(folder)], capture_output=True, text=True, check=True)
-    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
-    assert str(public) in out.stdout and (secret.stat().st_mode & 0o777) == 0o600
-    return public, secret
-
-
 def test_tcp_needs_listed_keys_and_refuses_and_logs_the_rest(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, trainers, nodes = short_tmp / "keys", short_tmp / "trainers", short_tmp / "nodes"
-    router_pub, router_sec = _keygen(keys, "router")
-    trainer_pub, trainer_sec = _keygen(keys, "trainer")
-    _, stranger_sec = _keygen(keys, "stranger")
-    node_pub, node_sec = _keygen(keys, "node")
-    _, rogue_sec = _keygen(keys, "rogue")
+    router_pub, router_sec = keygen(keys, "router")
+    trainer_pub, trainer_sec = keygen(keys, "trainer")
+    _, stranger_sec = keygen(keys, "stranger")
+    node_pub, node_sec = keygen(keys, "node")
+    _, rogue_sec = keygen(keys, "rogue")
     for folder, pub in ((trainers, trainer_pub), (nodes, node_pub)):
         folder.mkdir()
         shutil.copy(pub, folder)

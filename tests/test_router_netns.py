@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from daemon_fixtures import CLI, router_daemon, start_nodes, stop_node
-from router_support import Federation
+from router_support import Federation, keygen
 
 SUBNET = "10.231.7"
 ROUTER_IP = f"{SUBNET}.1"
@@ -90,11 +90,6 @@ def _exec_in(ns: str) -> tuple[str, ...]:
     return ("ip", "netns", "exec", ns)
 
 
-def _keygen(folder: Path, name: str) -> tuple[Path, Path]:
-    subprocess.run([*CLI, "keygen", name, "--dir", str(folder)], capture_output=True, check=True)
-    return folder / f"{name}.key", folder / f"{name}.key_secret"
-
-
 def _batch(net: Lan, keys: Path, prefix: str, n: int, seconds: float) -> subprocess.Popen[str]:
     return subprocess.Popen([*_exec_in(net.trainer_ns), sys.executable, "-c", TRAINER, str(TESTS),
                              f"tcp://{ROUTER_IP}:7002", str(keys / "router.key"), str(keys / "trainer.key_secret"),
@@ -110,12 +105,12 @@ def _answers(proc: subprocess.Popen[str]) -> dict[str, list[Any]]:
 
 def test_three_hosts_one_cut_off_mid_batch_then_back(lan: Lan, short_tmp: Path) -> None:
     keys, trainers, nodes = short_tmp / "keys", short_tmp / "trainers", short_tmp / "nodes"
-    _keygen(keys, "router")
+    keygen(keys, "router")
     trainers.mkdir()
     nodes.mkdir()
-    shutil.copy(_keygen(keys, "trainer")[0], trainers)
+    shutil.copy(keygen(keys, "trainer")[0], trainers)
     for i in range(3):
-        shutil.copy(_keygen(keys, f"host{i}")[0], nodes)
+        shutil.copy(keygen(keys, f"host{i}")[0], nodes)
     router_dir = short_tmp / "router"
     router_args = ("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0",
                    "--node-bind", f"tcp://{ROUTER_IP}:7001", "--tcp-bind", f"tcp://{ROUTER_IP}:7002",

@@ -1,18 +1,23 @@
 """Exactly once, in one place: the book of accepted requests that the node's supervisor and the
 router both keep.
 
-A request id is accepted once; until its final answer leaves, a repeat of the id joins it (every
-asker gets the one answer: the first as it came, the others what the owner says they may share);
-after that, a repeat is answered from the cache of answers, which the owner keeps self-contained
-(never naming shared memory that may hold another reply by then), or with DUPLICATE_REQUEST when
-the answer was not kept. Every final answer leaves through :meth:`RequestBook.answer`, which takes
-the id out of the book, so a second answer for one id cannot leave. Answers stay cached for
+A request is accepted once per key (the id as its client chose it, scoped to the client by the
+router); until its final answer leaves, a repeat of the key joins it (every asker gets the one
+answer: the first as it came, the others what the owner says they may share); after that, a
+repeat is answered from the cache of answers, which the owner keeps self-contained (never naming
+shared memory that may hold another reply by then), or with DUPLICATE_REQUEST when the answer was
+not kept. A repeat that asks something else under the same key (another op or other arguments)
+is refused with DUPLICATE_REQUEST naming the first field that differs. An answer whose asker
+could not be reached (it was reconnecting) is kept whole, arrays included, until the next asker
+of its key collects it. Every final answer leaves through :meth:`RequestBook.answer`, which takes
+the key out of the book, so a second answer for one key cannot leave. Answers stay cached for
 ``completed_ttl_s``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -47,10 +52,31 @@ class Accepted:
     """As received, type onward; kept (not copied) to dispatch again."""
     joined: list[tuple[LoopSocket | None, bytes]] = field(default_factory=list)
     """Other askers of the same id while it ran: each gets the one answer too."""
+    key: str = ""
+    """Its key in the book: ``rid`` unless the owner scopes ids (the router: per client)."""
+    fingerprint: dict[str, bytes] | None = None
+    """What was asked, per field (see :func:`fingerprint`): a repeat must ask the same."""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.rid
+
+
+@dataclass(slots=True)
+class Done:
+    """A key already answered, as the book remembers it for ``completed_ttl_s``."""
+
+    at: float
+    kept: list[bytes] | None
+    """What a repeat gets (self-contained), or None: DUPLICATE_REQUEST."""
+    fingerprint: dict[str, bytes] | None
+    held: list[Any] | None = None
+    """The whole answer, arrays included, while no asker has had it: the next asker's, once."""
 
 
 P = TypeVar("P", bound=Accepted)
-Send = Callable[[LoopSocket | None, bytes, list[Any]], None]
+Send = Callable[[LoopSocket | None, bytes, list[Any]], bool | None]
+"""Sends an answer; False when the asker could not be reached (None: not known)."""
 
 
 def as_bytes(frame: Any) -> bytes:
@@ -72,6 +98,23 @@ def checked_id(msg_type: MsgType, header: dict[str, Any]) -> str:
     return rid if isinstance(rid, str) else ""
 
 
+def fingerprint(header: dict[str, Any]) -> dict[str, bytes]:
+    """A short digest per field of a request (``op``, and ``args.<name>`` per argument), so a
+    repeat of its id can be checked against it and the first field that differs named."""
+    args = header.get("args")
+    fields = {"op": header.get("op"), **({f"args.{k}": v for k, v in args.items()} if isinstance(args, dict)
+                                          else {"args": args})}
+    return {k: hashlib.blake2b(msgpack.packb(v, use_bin_type=True), digest_size=8).digest()
+            for k, v in fields.items()}
+
+
+def difference(first: dict[str, bytes] | None, then: dict[str, bytes] | None) -> str | None:
+    """The first field two requests under one id disagree on, or None (also when either is unknown)."""
+    if first is None or then is None:
+        return None
+    return next((k for k in sorted(first.keys() | then.keys()) if first.get(k) != then.get(k)), None)
+
+
 def salvage_id(frames: list[Any]) -> str:
     """The id of a message we refuse, when its header can still be read."""
     with contextlib.suppress(Exception):
@@ -85,6 +128,12 @@ def nbytes(frame: Any) -> int:
     if isinstance(frame, memoryview):
         return frame.nbytes
     return len(frame) if isinstance(frame, (bytes, bytearray)) else len(frame.buffer)
+
+
+def reused(rid: str, field_name: str, running: bool) -> list[bytes]:
+    return error_frames(rid, DuplicateRequest(
+        f"request {rid} was {'already asked' if running else 'already answered'} with another {field_name}; "
+        "an id names one request: use a new id for new work"))
 
 
 def not_kept(rid: str) -> list[bytes]:
@@ -104,41 +153,62 @@ class RequestBook(Generic[P]):
         self._pending: dict[str, P] = {}
         self._completed: OrderedDict[str, tuple[float, list[bytes] | None]] = OrderedDict()
 
-    def repeat(self, rid: str, client: bytes, socket: LoopSocket | None) -> bool:
-        """True when ``rid`` was accepted before: the asker joins it, or gets its kept answer."""
-        p = self._pending.get(rid)
+    def repeat(self, key: str, client: bytes, socket: LoopSocket | None, *, rid: str | None = None,
+               asked: dict[str, bytes] | None = None) -> bool:
+        """True when ``key`` was accepted before: the asker joins it, gets its answer, or (when it
+        asks something else, ``asked`` being its :func:`fingerprint`) a refusal. ``rid``: the id
+        as the asker knows it (default ``key``)."""
+        rid = rid or key
+        p = self._pending.get(key)
         if p is not None:
             self._counters["duplicates"] += 1
-            if (socket, client) != (p.socket, p.client) and (socket, client) not in p.joined:
+            field_name = difference(p.fingerprint, asked)
+            if field_name is not None:
+                self._send(socket, client, reused(rid, field_name, True))
+            elif (socket, client) != (p.socket, p.client) and (socket, client) not in p.joined:
                 p.joined.append((socket, client))  # every asker gets the one answer
             return True
-        cached = self._completed.get(rid)
-        if cached is None:
+        done = self._completed.get(key)
+        if done is None:
             return False
         self._counters["duplicates"] += 1
-        self._send(socket, client, cached[1] if cached[1] is not None else not_kept(rid))
+        field_name = difference(done.fingerprint, asked)
+        if field_name is not None:
+            self._send(socket, client, reused(rid, field_name, False))
+        elif done.held is not None:
+            if self._send(socket, client, done.held) is not False:
+                done.held = None  # collected
+        else:
+            self._send(socket, client, done.kept if done.kept is not None else not_kept(rid))
         return True
 
-    def open(self, p: P) -> None:
-        self._pending[p.rid] = p
+    def answered(self, key: str) -> bool:
+        """Whether ``key`` got its final answer (and is still remembered)."""
+        return key in self._completed
 
-    def get(self, rid: str) -> P | None:
-        return self._pending.get(rid)
+    def open(self, p: P) -> None:
+        self._pending[p.key] = p
+
+    def get(self, key: str) -> P | None:
+        return self._pending.get(key)
 
     def answer(self, p: P, frames: list[Any], *, kept: list[bytes] | None,
-               for_joined: Callable[[], list[Any] | None] | None = None) -> None:
-        """The one place a final answer leaves: exactly once per accepted id. ``kept``: what a
-        later repeat of the id gets (self-contained), or None; ``for_joined``: what askers who
-        joined while it ran get (default ``kept``; DUPLICATE_REQUEST when there is nothing)."""
-        if self._pending.pop(p.rid, None) is None:
-            return
+               for_joined: Callable[[], list[Any] | None] | None = None, held: list[Any] | None = None) -> bool:
+        """The one place a final answer leaves: exactly once per accepted key. ``kept``: what a
+        later repeat of the key gets (self-contained), or None; ``for_joined``: what askers who
+        joined while it ran get (default ``kept``; DUPLICATE_REQUEST when there is nothing);
+        ``held``: the whole answer, kept for the next asker when this one cannot be reached.
+        True when the asker was reached (or may have been)."""
+        if self._pending.pop(p.key, None) is None:
+            return False
         self._counters["errors" if as_bytes(frames[0]) == TYPE_ERROR else "replies"] += 1
-        self._completed[p.rid] = (time.monotonic(), kept)
-        self._send(p.socket, p.client, frames)
+        delivered = self._send(p.socket, p.client, frames) is not False
+        self._completed[p.key] = Done(time.monotonic(), kept, p.fingerprint, None if delivered else held)
         if p.joined:
             shared = kept or (for_joined() if for_joined is not None else None) or not_kept(p.rid)
             for socket, client in p.joined:
                 self._send(socket, client, shared)
+        return delivered
 
     def answer_error(self, p: P, e: RolloutdError) -> None:
         frames = error_frames(p.rid, e)
@@ -147,13 +217,12 @@ class RequestBook(Generic[P]):
     def forget_expired(self, now: float) -> None:
         """Drop kept answers older than ``completed_ttl_s``."""
         while self._completed:
-            _, (t, _) = next(iter(self._completed.items()))
-            if now - t < self._ttl_s:
+            if now - next(iter(self._completed.values())).at < self._ttl_s:
                 break
             self._completed.popitem(last=False)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._pending
+    def __contains__(self, key: str) -> bool:
+        return key in self._pending
 
     def __len__(self) -> int:
         return len(self._pending)

@@ -13,7 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutd.daemon.common.request_book import CACHE_ANSWER_MAX_BYTES, Accepted, RequestBook, Send, error_frames
+from rolloutd.daemon.common.request_book import (
+    CACHE_ANSWER_MAX_BYTES,
+    Accepted,
+    RequestBook,
+    Send,
+    error_frames,
+    fingerprint,
+)
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.segments import Segments
 from rolloutd.daemon.node.workers import WorkerHandle, Workers
@@ -66,7 +73,8 @@ class RequestFlow:
 
     def accept(self, sock: LoopSocket | None, client: bytes, pid: int | None, is_tcp: bool, rid: str,
                header: dict[str, Any], frames: list[Any], status: Callable[[], dict[str, Any]]) -> None:
-        if self.book.repeat(rid, client, sock):
+        asked = fingerprint(header)
+        if self.book.repeat(rid, client, sock, asked=asked):
             return
         try:
             if self.stopping:
@@ -84,7 +92,7 @@ class RequestFlow:
             # A client on another host cannot map this node's shared memory.
             header = {k: v for k, v in header.items() if k != "v"} | {"arrays": "frames"}
             frames = [frames[0], framing.pack_header(header), *frames[2:]]
-        p = Pending(rid=rid, client=client, socket=sock, op=op, frames=frames, client_pid=pid)
+        p = Pending(rid=rid, client=client, socket=sock, op=op, frames=frames, client_pid=pid, fingerprint=asked)
         if op == "status":  # taken before the book counts this request among those in flight
             answer = framing.encode(MsgType.REPLY, {"id": rid, "result": status(), "refs": []})
             self.book.open(p)

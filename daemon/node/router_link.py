@@ -6,6 +6,12 @@ and go to the supervisor as if from a TCP client (arrays as raw frames, never sh
 supervisor's answer leaves through this socket with the id in front. When the router does not
 know the node (it restarted, or dropped the node for silence) the node registers again.
 
+Exactly once across router faults (the router's ``recovery``): every answer sent this way is kept
+here, arrays included, until the router acknowledges it (or ``completed_ttl_s`` passes), and a
+registration lists what is kept and what still runs; a router asking again for a kept id gets it
+from here. Over ipc the node proves its name with the token the router issued at its first
+registration, kept in ``<run folder>/router-token`` so a restarted node is known as the same.
+
 Drain (finish what it has, take nothing new) and resume are signals, so no new socket or op is
 needed: SIGUSR1 drains, SIGUSR2 resumes (``rolloutd node drain [--resume]``). The link's state is
 written to ``<run folder>/router-link.json`` for that command.
@@ -20,22 +26,28 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from rolloutd.daemon.common.request_book import as_bytes
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.native_io import framing
 from rolloutd.native_io.curve import CurveClient, watch_handshakes
 from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.wire import (
+    FINAL_TYPES,
     MsgType,
     NodeBye,
     NodeCapacity,
     NodeHeartbeat,
     NodeRegister,
+    RouterAck,
+    RouterRefused,
     RouterUnknown,
     RouterWelcome,
     node_message,
@@ -47,6 +59,7 @@ from rolloutd.native_io.zmq_sockets import make_socket
 log = logging.getLogger(__name__)
 
 STATE_FILE = "router-link.json"
+TOKEN_FILE = "router-token"
 DRAIN_SIGNAL = signal.SIGUSR1
 RESUME_SIGNAL = signal.SIGUSR2
 FIRST_INTERVAL_S = 1.0
@@ -75,6 +88,40 @@ def capacity_report(supervisor: Any) -> NodeCapacity:
                         free=free, images=[config.image] if warm else [])
 
 
+class KeptAnswers:
+    """The link's sender for the supervisor: it keeps every final answer until the router
+    acknowledges it (copied to bytes: the frames may be buffers of the worker link, reused)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.sock: LoopSocket | None = None
+        self.kept: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()
+        self._ttl_s = ttl_s
+        self._final = {bytes((t,)) for t in FINAL_TYPES}
+
+    def send(self, frames: list[Any]) -> None:
+        if len(frames) > 1 and as_bytes(frames[1]) in self._final:
+            self.kept[as_bytes(frames[0])] = (time.monotonic(), [as_bytes(f) for f in frames[1:]])
+        assert self.sock is not None
+        self.sock.send(frames)
+
+    def resend(self, envelope: bytes) -> bool:
+        """The kept answer of ``envelope`` sent again; False when none is kept."""
+        kept = self.kept.get(envelope)
+        if kept is None:
+            return False
+        with contextlib.suppress(zmq.ZMQError):  # not connected now: the next registration lists it
+            self.send([envelope, *kept[1]])
+        return True
+
+    def acked(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.kept.pop(rid.encode(), None)
+
+    def expire(self, now: float) -> None:
+        while self.kept and now - next(iter(self.kept.values()))[0] > self._ttl_s:
+            self.kept.popitem(last=False)
+
+
 class RouterLink:
     """Supervisor extension (``async start(supervisor)`` / ``async stop()``)."""
 
@@ -95,6 +142,10 @@ class RouterLink:
         """Set when there is news for the router (drain, resume, re-register) or for the state file."""
         self._state_dirty = True
         self._state_file = config.run_path / STATE_FILE
+        self._token_file = config.run_path / TOKEN_FILE
+        self.token = _read_token(self._token_file)
+        self.answers = KeptAnswers(config.completed_ttl_s)
+        self.refused = ""
 
     async def start(self, supervisor: Any) -> None:
         self.supervisor = supervisor
@@ -110,7 +161,7 @@ class RouterLink:
                 "the router at %s refused this node: %s; give the router this node's public key (.key next to %s)",
                 self.config.router, reason, self.config.curve_secret_key_file))
         sock.connect(self.config.router)
-        self.sock = LoopSocket(sock, self._on_message)
+        self.sock = self.answers.sock = LoopSocket(sock, self._on_message)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(DRAIN_SIGNAL, self.set_draining, True)
         loop.add_signal_handler(RESUME_SIGNAL, self.set_draining, False)
@@ -147,8 +198,9 @@ class RouterLink:
     def _on_message(self, frames: list[Any]) -> None:
         if frames and len(frames[0]) == 0:
             self._on_membership(frames[1:])
-        else:
-            self.supervisor.on_client_message(self.sock, frames, True)
+        elif not (len(frames) > 1 and frames[1].bytes == bytes((MsgType.REQUEST,))
+                  and self.answers.resend(frames[0].bytes)):
+            self.supervisor.on_client_message(self.answers, frames, True)
 
     def _on_membership(self, frames: list[Any]) -> None:
         try:
@@ -161,8 +213,19 @@ class RouterLink:
             if not self.registered:
                 log.info("registered at router %s", self.config.router)
                 self.registered = True
+                self.refused = ""
                 self._state_changed()
             self.interval_s = msg.heartbeat_interval_s
+            if msg.token and msg.token != self.token:
+                self.token = msg.token
+                self._state_changed()  # written with the state, off the loop
+        elif isinstance(msg, RouterAck):
+            self.answers.acked(msg.ids)
+        elif isinstance(msg, RouterRefused):
+            if msg.reason != self.refused:  # it tries again every beat: said once
+                log.error("the router at %s refused this node: %s", self.config.router, msg.reason)
+                self.refused = msg.reason
+            self.registered = False
         elif isinstance(msg, RouterUnknown):
             log.info("the router does not know this node (%s); registering again", msg.reason)
             self.registered = False
@@ -185,12 +248,17 @@ class RouterLink:
             if self._state_dirty:
                 self._state_dirty = False
                 await asyncio.to_thread(_write_json, self._state_file, self.state())
+                if self.token:
+                    await asyncio.to_thread(_write_token, self._token_file, self.token)
             capacity = capacity_report(self.supervisor)
+            self.answers.expire(time.monotonic())
             if self.registered:
                 self._send_node(NodeHeartbeat(capacity, self.draining))
             else:
+                running = [p.key for p in self.supervisor.flow.book if p.socket is self.answers]
                 self._send_node(NodeRegister(self.name, self.incarnation, socket.gethostname(), os.getpid(),
-                                             capacity, self.draining))
+                                             capacity, self.draining, self.token, running,
+                                             [e.decode() for e in self.answers.kept]))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
 
@@ -207,6 +275,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
+
+
+def _read_token(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _write_token(path: Path, token: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
 
 
 def _remove(path: Path) -> None:

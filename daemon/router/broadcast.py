@@ -71,8 +71,8 @@ class Broadcasts:
         nodes = list(self.table)
         broadcast = p.broadcast = Broadcast({n.identity: None for n in nodes}, {n.identity: n.name for n in nodes})
         for node in nodes:
-            node.take(p.rid, 0)
-            if not self._send_raw(node.identity, p.rid.encode(), p.frames):
+            node.take(p.key, 0)
+            if not self._send_raw(node.identity, p.key.encode(), p.frames):
                 self._node_lost(node, "unreachable")  # which may finish it (see node_gone)
         if p.broadcast is broadcast and broadcast.complete:
             self._finish(p)
@@ -80,7 +80,7 @@ class Broadcasts:
     def answer(self, node: NodeEntry, p: Pending, answer: list[Any]) -> None:
         assert p.broadcast is not None
         node.last_seen = time.monotonic()
-        node.finish(p.rid)
+        node.finish(p.key)
         try:
             _, header, _ = framing.decode(answer, max_bytes=1 << 62, known_types=FINAL_TYPES)
         except RolloutdError as e:
@@ -108,7 +108,7 @@ class Broadcasts:
             self.setup.record(p.op, _args(p.frames), p.frames)
             for node in self.table:  # those that joined while it was under way
                 if node.identity not in p.broadcast.names:
-                    self._send_raw(node.identity, REPLAY_PREFIX + p.rid.encode(), p.frames)
+                    self._send_raw(node.identity, REPLAY_PREFIX + p.key.encode(), p.frames)
         p.broadcast = None
         self._deliver(p, answer)
 

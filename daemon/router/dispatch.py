@@ -91,6 +91,8 @@ class NodeEntry:
     answered: int = 0
     setup_applied: int = 0
     """Inference set-up ops (weight version, servers) replayed to it when it joined, and applied."""
+    proof: str = ""
+    """What proves it holds its name: its CURVE key (TCP) or the token issued to it (ipc)."""
 
     @property
     def slots(self) -> int:

@@ -1,5 +1,6 @@
-"""The router's request flow: accept a trainer's request, let it wait for a node with room, send
-it there, send it again elsewhere when that node vanishes, and answer it exactly once (through the
+"""The router's request flow: accept a trainer's request under its owner's key, let it wait for a
+node with room, send it there, send it again elsewhere when that node vanishes, take only the
+answer of a node it was sent to for that very key, and answer it exactly once (through the
 request book shared with the node daemon). No sockets here: the process hands in two senders.
 """
 
@@ -12,11 +13,21 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from rolloutd.daemon.common.request_book import CACHE_ANSWER_MAX_BYTES, RequestBook, Send, as_bytes, error_frames, nbytes
+from rolloutd.daemon.common.request_book import (
+    CACHE_ANSWER_MAX_BYTES,
+    RequestBook,
+    Send,
+    as_bytes,
+    error_frames,
+    fingerprint,
+    nbytes,
+)
+from rolloutd.daemon.router import scope
 from rolloutd.daemon.router.broadcast import REPLAY_PREFIX, Broadcasts
 from rolloutd.daemon.router.config import RouterConfig
 from rolloutd.daemon.router.dispatch import NodeEntry, routing_hints
 from rolloutd.daemon.router.nodes import NodeTable
+from rolloutd.daemon.router.recovery import Recovery
 from rolloutd.daemon.router.requests import Pending
 from rolloutd.native_io import framing
 from rolloutd.native_io.errors import (
@@ -41,10 +52,12 @@ class RequestFlow:
     def __init__(self, config: RouterConfig, send: Send, send_raw: SendRaw) -> None:
         self.config = config
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "redispatched": 0, "node_lost": 0,
-                         "late_dropped": 0, "duplicates": 0, "refused": 0, "nodes_joined": 0}
+                         "late_dropped": 0, "duplicates": 0, "refused": 0, "nodes_joined": 0, "names_refused": 0,
+                         "bad_answers": 0, "cancelled_on_return": 0, "resumed_on_return": 0, "late_taken": 0}
         self.book: RequestBook[Pending] = RequestBook(send, self.counters, config.completed_ttl_s)
         self.table = NodeTable()
         self.broadcasts = Broadcasts(self.table, send_raw, self._deliver, self.node_lost)
+        self.recovery = Recovery(config.run_path, config.heartbeat_timeout_s, self.book, self.counters, send_raw)
         self.waiting: deque[str] = deque()
         """Accepted ids without a node yet, first come first served."""
         self.stopping = False
@@ -54,13 +67,20 @@ class RequestFlow:
 
     # --- trainers --------------------------------------------------------------------------
 
-    def accept(self, sock: LoopSocket, client: bytes, rid: str, header: dict[str, Any], frames: list[Any],
-               status: Callable[[], dict[str, Any]]) -> None:
-        if self.book.repeat(rid, client, sock):
-            return
+    def accept(self, sock: LoopSocket, client: bytes, proved: str, rid: str, header: dict[str, Any],
+               frames: list[Any], status: Callable[[], dict[str, Any]]) -> None:
+        """``proved``: who the transport says sent it (``scope.principal``)."""
         op = header.get("op")
         if op == "status":
             self._send(sock, client, framing.encode(MsgType.REPLY, {"id": rid, "result": status(), "refs": []}))
+            return
+        try:
+            key = scope.owner_key(proved, header, rid)
+        except RolloutdError as e:
+            self._send(sock, client, error_frames(rid, e))
+            return
+        asked = fingerprint(header)
+        if self.book.repeat(key, client, sock, rid=rid, asked=asked):
             return
         try:
             if self.stopping:
@@ -73,8 +93,8 @@ class RequestFlow:
             self._send(sock, client, error_frames(rid, e))
             return
         self.counters["requests"] += 1
-        p = Pending(rid=rid, client=client, socket=sock, op=op if isinstance(op, str) else repr(op), frames=frames,
-                    hints=hints)
+        p = Pending(rid=rid, key=key, client=client, socket=sock, op=op if isinstance(op, str) else repr(op),
+                    frames=scope.to_node(frames, header, key), hints=hints, fingerprint=asked)
         self.book.open(p)
         if op in BROADCAST_OPS:
             self.broadcasts.start(p)
@@ -86,22 +106,27 @@ class RequestFlow:
                     f"no open sandbox {hints.sandbox!r} behind this router (closed, or its node is gone); "
                     "open a new one"))
             else:
-                self._send_to(p, node)
+                self.send_to(p, node)
             return
-        self.waiting.append(rid)
+        self.waiting.append(key)
         self.flush()
 
-    def cancel(self, rid: str) -> None:
-        p = self.book.get(rid)
+    def cancel(self, proved: str, rid: str, header: dict[str, Any]) -> None:
+        """Only the owner's request of that id: another client's ``rid`` is another key."""
+        try:
+            key = scope.owner_key(proved, header, rid)
+        except RolloutdError:
+            return
+        p = self.book.get(key)
         if p is None or p.broadcast is not None:  # a broadcast is quick and must reach every node
             return
         if p.node is None:
             with contextlib.suppress(ValueError):
-                self.waiting.remove(rid)
+                self.waiting.remove(key)
             self._answer_error(p, Cancelled(f"request {rid} was cancelled before it reached a node"))
             return
         # A gone node is found by the probe or the heartbeat.
-        self._send_raw(p.node.identity, rid.encode(), framing.encode(MsgType.CANCEL, {"id": rid}))
+        self.recovery.cancel_on(p.node.identity, key)
 
     def shut_down(self) -> None:
         self.stopping = True
@@ -112,7 +137,7 @@ class RequestFlow:
 
     def flush(self) -> None:
         """Hand waiting requests to nodes in order, until the first that fits nowhere."""
-        if self._flushing:
+        if self._flushing or self.recovery.holding_back:
             return
         self._flushing = True
         try:
@@ -121,18 +146,19 @@ class RequestFlow:
                 if p is None or p.node is not None:
                     self.waiting.popleft()
                     continue
-                node = self.table.pick(p)
+                node = self.recovery.holder(p.key, self.table.get) or self.table.pick(p)
                 if node is None:
                     return
                 self.waiting.popleft()
-                self._send_to(p, node)
+                self.send_to(p, node)
         finally:
             self._flushing = False
 
-    def _send_to(self, p: Pending, node: NodeEntry) -> None:
+    def send_to(self, p: Pending, node: NodeEntry) -> None:
         p.node = node
-        node.take(p.rid, p.hints.cost)
-        if not self._send_raw(node.identity, p.rid.encode(), p.frames):
+        p.sent_to.add(node.identity)
+        node.take(p.key, p.hints.cost)
+        if not self._send_raw(node.identity, p.key.encode(), p.frames):
             self.node_lost(node, "unreachable")
 
     def expire_waiting(self, now: float) -> None:
@@ -155,29 +181,56 @@ class RequestFlow:
     def on_node_answer(self, node_id: bytes, envelope: bytes, answer: list[Any]) -> None:
         if envelope.startswith(REPLAY_PREFIX):
             self.broadcasts.on_replay_answer(node_id, envelope, answer)
+            self.recovery.ack(node_id, envelope.decode(errors="replace"))
             return
         node = self.table.get(node_id)
-        p = self.book.get(envelope.decode(errors="replace"))
-        if node is not None and p is not None and p.broadcast is not None and node_id in p.broadcast.answers:
-            self.broadcasts.answer(node, p, answer)
-            return
-        if node is None or p is None or p.node is not node:
-            # A presumed-dead node's late answer, or one for an id already answered elsewhere:
-            # dropped here, arrays included, so the trainer never sees a second answer.
+        key = envelope.decode(errors="replace")
+        p = self.book.get(key)
+        if p is None:
+            # Answered already (a copy elsewhere, or a repeat): dropped here, arrays included, so
+            # the trainer never sees a second one. Or this router never took it (it restarted).
             self.counters["late_dropped"] += 1
-            log.debug("dropped a late answer for %r from %r", envelope, node_id)
+            self.recovery.unasked(node_id, key)
             return
-        node.last_seen = time.monotonic()
-        if p.op in ("sandbox.open", "sandbox.close") or (
-                p.hints.sandbox is not None and as_bytes(answer[0]) == bytes((MsgType.ERROR,))):
-            self.table.track_sandbox(node, p, answer)
-        node.finish(p.rid)
+        if node is not None and p.broadcast is not None and node_id in p.broadcast.answers:
+            self.broadcasts.answer(node, p, answer)
+            self.recovery.ack(node_id, key)
+            return
+        if node_id in p.withdrawn:  # its copy was cancelled: the answer that says so, or a late one
+            self.counters["late_dropped"] += 1
+            self.recovery.ack(node_id, key)
+            return
+        if node_id not in p.sent_to and not self.recovery.claim(key, node_id):
+            self._bad_answer(node_id, key, "the request was not sent there")
+            return
+        frames = scope.to_client(answer, key, p.rid)
+        if frames is None:
+            self._bad_answer(node_id, key, "its header names another request")
+            return
+        if node is not None:
+            node.last_seen = time.monotonic()
+            if p.op in ("sandbox.open", "sandbox.close") or (
+                    p.hints.sandbox is not None and as_bytes(answer[0]) == bytes((MsgType.ERROR,))):
+                self.table.track_sandbox(node, p, answer)
+            node.finish(key)
+        if p.node is not None and p.node is not node:
+            # A node presumed lost answered after all: the copy sent elsewhere is not needed.
+            self.counters["late_taken"] += 1
+            self.recovery.cancel_on(p.node.identity, key)
+            p.withdrawn.add(p.node.identity)
+            p.node.finish(key)
         p.node = None
-        self._deliver(p, answer)
+        if self._deliver(p, frames):
+            self.recovery.ack(node_id, key)
+
+    def _bad_answer(self, node_id: bytes, key: str, why: str) -> None:
+        self.counters["bad_answers"] += 1
+        log.warning("dropped an answer for %r from node %r: %s", key, node_id, why)
 
     def node_lost(self, node: NodeEntry, reason: str) -> None:
         if not self.table.remove(node):
             return
+        self.recovery.forget_node(node.identity)
         self.counters["node_lost"] += 1
         log.warning("node %s is gone: %s; re-dispatching its %d request(s)", node.name, reason, len(node.in_flight))
         requeue = []
@@ -194,7 +247,7 @@ class RequestFlow:
                     f"node {node.name}, which held sandbox {p.hints.sandbox}, is gone ({reason}); open a new sandbox"))
             elif p.attempts + 1 >= self.config.max_attempts:
                 self._answer_error(p, NodeLost(
-                    f"request {rid} ({p.op}) lost {p.attempts + 1} nodes (max_attempts), "
+                    f"request {p.rid} ({p.op}) lost {p.attempts + 1} nodes (max_attempts), "
                     f"the last {node.name}: {reason}"))
             else:
                 p.attempts += 1
@@ -208,16 +261,19 @@ class RequestFlow:
 
     # --- answers ---------------------------------------------------------------------------
 
-    def _deliver(self, p: Pending, frames: list[Any]) -> None:
-        # Answers with arrays are not kept: the router forwards array frames, never stores them.
-        # Arrays come from nodes as frames: the same frames serve every asker who joined.
+    def _deliver(self, p: Pending, frames: list[Any]) -> bool:
+        """True when it reached the trainer. Answers with arrays are kept only while the trainer
+        cannot be reached (it reconnects): the next asker of the id collects them. Arrays come
+        from nodes as frames: the same frames serve every asker who joined."""
         small = len(frames) == 2 and sum(nbytes(f) for f in frames) <= CACHE_ANSWER_MAX_BYTES
-        self.book.answer(p, frames, kept=[as_bytes(f) for f in frames] if small else None, for_joined=lambda: frames)
+        delivered = self.book.answer(p, frames, kept=[as_bytes(f) for f in frames] if small else None,
+                                     for_joined=lambda: frames, held=frames)
         if self.waiting:
             self.flush()
+        return delivered
 
     def _answer_error(self, p: Pending, e: RolloutdError) -> None:
         if p.node is not None:
-            p.node.finish(p.rid)
+            p.node.finish(p.key)
             p.node = None
         self._deliver(p, error_frames(p.rid, e))

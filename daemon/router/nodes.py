@@ -38,15 +38,23 @@ class NodeTable:
     def any_accepting(self) -> bool:
         return any(n.accepting for n in self.nodes.values())
 
+    def claim_conflict(self, node_id: bytes, name: str, proof: str) -> NodeEntry | None:
+        """The live node that holds ``name`` (or the link ``node_id``) with another proof: then the
+        peer that registers is refused, so no node can evict another by taking its name."""
+        for n in self.nodes.values():
+            if (n.name == name or n.identity == node_id) and n.proof != proof:
+                return n
+        return None
+
     def replaced_by(self, node_id: bytes, name: str) -> list[NodeEntry]:
-        """Older entries of a node that registers again as a new process (same name, new link)."""
+        """Older entries of a node that registers again as a new process (same name and proof, new link)."""
         return [n for n in self.nodes.values() if n.name == name and n.identity != node_id]
 
-    def register(self, node_id: bytes, msg: NodeRegister) -> NodeEntry:
+    def register(self, node_id: bytes, msg: NodeRegister, proof: str) -> NodeEntry:
         """The node's entry, new or refreshed from its registration."""
         node = self.nodes.get(node_id)
         if node is None:
-            node = NodeEntry(node_id, msg.name, msg.host, msg.pid, msg.capacity, msg.draining)
+            node = NodeEntry(node_id, msg.name, msg.host, msg.pid, msg.capacity, msg.draining, proof=proof)
             self.nodes[node_id] = node
         node.capacity, node.draining, node.last_seen = msg.capacity, msg.draining, time.monotonic()
         return node

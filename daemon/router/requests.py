@@ -57,6 +57,10 @@ class Pending(Accepted):
 
     hints: Hints
     node: NodeEntry | None = None
+    sent_to: set[bytes] = field(default_factory=set)
+    """Nodes it was sent to whose answer is still taken: one presumed lost may answer late."""
+    withdrawn: set[bytes] = field(default_factory=set)
+    """Nodes it was cancelled on (another copy runs elsewhere): their answer is not taken."""
     attempts: int = 0
     """Nodes that died under it so far."""
     queued_at: float = field(default_factory=time.monotonic)

@@ -7,13 +7,22 @@ answers come back the same way and go to the trainer without their header being 
 id in front is the routing key). Array frames are forwarded as they came, never copied or kept.
 
 Promises kept here:
+- an id belongs to its client (``scope``): another client's same id is another request, a cancel
+  reaches only the owner's;
 - every accepted id gets exactly one final answer; a repeated id is joined while in flight and
-  answered again from the record after (if the answer had no arrays), never run twice here;
+  answered again from the record after (if the answer had no arrays, or its trainer could not be
+  reached: then it is kept whole until asked again), never run twice here; a repeat that asks
+  something else is refused (DUPLICATE_REQUEST naming the field);
+- a node's name is held by the live node that proved it first (its CURVE key, or over ipc a token
+  this router issued): another peer registering under it is refused, a restarted node proves it;
+- an answer is taken only from a node the request was sent to, under the key it was sent;
 - a request whose node vanishes (its connection closes, or it misses heartbeats for
   ``heartbeat_timeout_s``, or it leaves) is re-dispatched to another node, up to
   ``max_attempts`` nodes; an op pinned to a sandbox of that node is answered SANDBOX_LOST;
-- an answer from a node presumed dead, or for an id no longer on that node, is dropped with its
-  arrays (``late_dropped``): the trainer never gets a second answer;
+- a node presumed dead that answers while the id is pending anywhere is believed (the copy
+  elsewhere is cancelled); an answer for an id already answered is dropped with its arrays
+  (``late_dropped``): the trainer never gets a second answer (see ``recovery`` for what a node
+  that comes back, or a router that restarts, does with the rest);
 - only the owner (or root) may use the ipc sockets (SO_PEERCRED); TCP peers need a listed key.
 The router does no slow work: per message a small header decode at most, a dict lookup, a send.
 """
@@ -33,30 +42,19 @@ from typing import Any
 import zmq
 
 from rolloutd.daemon.common.request_book import checked_id, error_frames, salvage_id
+from rolloutd.daemon.router import scope
 from rolloutd.daemon.router.config import RouterConfig
-from rolloutd.daemon.router.dispatch import NodeEntry
 from rolloutd.daemon.router.flow import RequestFlow
+from rolloutd.daemon.router.membership import Membership
 from rolloutd.native_io import framing
 from rolloutd.native_io.curve import CurveServer
 from rolloutd.native_io.errors import PermissionDenied, RolloutdError
-from rolloutd.native_io.wire import (
-    CLIENT_TYPES,
-    MsgType,
-    NodeBye,
-    NodeHeartbeat,
-    NodeRegister,
-    RouterPing,
-    RouterUnknown,
-    RouterWelcome,
-    node_message,
-    parse_node_message,
-)
+from rolloutd.native_io.wire import CLIENT_TYPES, MsgType, RouterPing, node_message
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket, peer_credentials
 
 log = logging.getLogger(__name__)
 
-NODE_TYPES = frozenset({MsgType.NODE})
 TICK_MAX_S = 0.25
 """The router looks at heartbeats and waiting requests at least this often."""
 PROBE_DELAYS_S = (0.02, 0.3)
@@ -65,8 +63,8 @@ and once later."""
 
 
 class Router:
-    """The router process: its sockets, its loop, node membership and heartbeats; the requests
-    themselves go through :class:`RequestFlow`."""
+    """The router process: its sockets, its loop and heartbeat watch; node messages go through
+    :class:`Membership`, the requests themselves through :class:`RequestFlow`."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -82,6 +80,7 @@ class Router:
         self.local_peers: set[bytes] = set()
         """Routing ids on the ipc sockets whose uid was checked."""
         self.allowed_uids = {os.getuid(), 0}
+        self.membership = Membership(config, self.flow, self._send_node)
         self.started_at = time.time()
         self._stop = asyncio.Event()
 
@@ -96,6 +95,7 @@ class Router:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             self._open_sockets()
+            self.flow.recovery.started()
             log.info("router ready: trainers at %s%s, nodes at %s", self.config.address,
                      f" and {self.config.tcp_bind}" if self.config.tcp_bind else "", self.config.nodes_address)
             if ready is not None:
@@ -105,6 +105,7 @@ class Router:
                 await self._stop.wait()
                 tick.cancel()
             self.flow.shut_down()
+            self.flow.recovery.stopped()
         finally:
             self._close_sockets()
 
@@ -159,13 +160,14 @@ class Router:
             msg_type, header, _ = framing.decode(rest, max_bytes=self.config.max_message_bytes,
                                                  known_types=CLIENT_TYPES)
             rid = checked_id(msg_type, header)
+            proved = scope.principal(rest[0], local)
         except RolloutdError as e:
             self._send(sock, client, error_frames(salvage_id(rest), e))
             return
         if msg_type == MsgType.CANCEL:
-            self.flow.cancel(rid)
+            self.flow.cancel(proved, rid, header)
         elif msg_type == MsgType.REQUEST:
-            self.flow.accept(sock, client, rid, header, rest, self.status)
+            self.flow.accept(sock, client, proved, rid, header, rest, self.status)
         # RELEASE: answers through the router carry arrays as frames; there is nothing to give back.
 
     def _local_peer_allowed(self, sock: LoopSocket, peer: bytes, rest: list[Any]) -> bool:
@@ -179,61 +181,21 @@ class Router:
         self.local_peers.add(peer)
         return True
 
-    def _send(self, sock: LoopSocket | None, client: bytes, frames: list[Any]) -> None:
+    def _send(self, sock: LoopSocket | None, client: bytes, frames: list[Any]) -> bool:
         assert sock is not None
         try:
             sock.send([client, *frames])
+            return True
         except zmq.ZMQError as e:
-            # The trainer is gone. Its answer is recorded; a retry with the same id gets it.
+            # The trainer is gone (or reconnecting). Its answer is kept; a retry with the same id gets it.
             log.info("trainer %r unreachable (%s); answer kept for a retry", client, e)
+            return False
 
     # --- nodes -----------------------------------------------------------------------------
 
     def _on_node(self, frames: list[Any]) -> None:
-        if len(frames) < 3:
-            return
-        node_id, envelope = frames[0].bytes, frames[1].bytes
-        if envelope:
-            self.flow.on_node_answer(node_id, envelope, frames[2:])
-        else:
-            self._on_membership(node_id, self.table.get(node_id), frames[2:])
-
-    def _on_membership(self, node_id: bytes, node: NodeEntry | None, frames: list[Any]) -> None:
-        try:
-            _, header, _ = framing.decode(frames, max_bytes=1 << 20, known_types=NODE_TYPES)
-            msg = parse_node_message(header)
-        except RolloutdError as e:
-            log.warning("bad membership message from %r: %s", node_id, e)
-            return
-        if isinstance(msg, NodeRegister):
-            self._register(node_id, msg)
-        elif isinstance(msg, NodeHeartbeat):
-            if node is None:
-                self._send_node(node_id, RouterUnknown("this router does not know the node (it restarted, or "
-                                                       "dropped the node for missed heartbeats); register again"))
-                return
-            node.last_seen = time.monotonic()
-            was_draining = node.draining
-            node.capacity, node.draining = msg.capacity, msg.draining
-            if was_draining != msg.draining:
-                log.info("node %s %s", node.name, "drains: no new work" if msg.draining else "takes work again")
-            self.flow.flush()
-        elif isinstance(msg, NodeBye) and node is not None:
-            self.flow.node_lost(node, f"it left ({msg.reason or 'no reason given'})")
-
-    def _register(self, node_id: bytes, msg: NodeRegister) -> None:
-        for other in self.table.replaced_by(node_id, msg.name):
-            self.flow.node_lost(other, "it registered again as a new process")
-        new = self.table.get(node_id) is None
-        self.table.register(node_id, msg)
-        if new:
-            self.counters["nodes_joined"] += 1
-            log.info("node %s joined from %s (pid %d, %d slots%s)", msg.name, msg.host, msg.pid, msg.capacity.slots,
-                     ", draining" if msg.draining else "")
-            # Before any request: the inference set-up the others have (it keeps the order).
-            self.flow.broadcasts.replay_to(node_id)
-        self._send_node(node_id, RouterWelcome(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s))
-        self.flow.flush()
+        if len(frames) >= 3:
+            self.membership.on_message(frames)
 
     def _send_node(self, node_id: bytes, msg: Any) -> bool:
         return self._send_raw(node_id, b"", node_message(msg))
@@ -267,6 +229,8 @@ class Router:
             if self.flow.waiting and not self.table.any_accepting:
                 self.flow.expire_waiting(now)
             self.flow.book.forget_expired(now)
+            self.flow.recovery.send_acks()
+            self.flow.flush()  # also what waited while a restarted router heard from its nodes
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
