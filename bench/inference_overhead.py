@@ -235,7 +235,7 @@ async def bench(quick: bool) -> dict[str, Any]:
 
 
 async def vllm_section(quick: bool) -> dict[str, Any]:
-    from rolloutd.daemon.inference.tiny_model import Recompute, ensure_tiny_model
+    from rolloutd.daemon.policy.tiny_model import Recompute, ensure_tiny_model
     from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python
     from rolloutd.daemon.sandbox.images import cache_dir
 

@@ -125,7 +125,7 @@ def inference(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, dict[
         print(f"policy: the inference server at {args.inference_server} (protocol detected)")
         yield args.inference_server, {}
     elif args.vllm:
-        from rolloutd.daemon.inference.tiny_model import ensure_tiny_model
+        from rolloutd.daemon.policy.tiny_model import ensure_tiny_model
         from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python
         from rolloutd.daemon.sandbox.images import cache_dir
 

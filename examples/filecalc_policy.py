@@ -26,7 +26,7 @@ from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.daemon.agents.toolcalls import BASH, SUBMIT
-from rolloutd.daemon.inference.tiny_model import (
+from rolloutd.daemon.policy.tiny_model import (
     ENDOFTEXT_ID,
     IM_END_ID,
     TOKENIZER_FILES,

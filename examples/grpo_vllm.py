@@ -46,7 +46,7 @@ from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.cli.demo import node_daemon
-from rolloutd.daemon.inference.tiny_model import TinyModelSpec
+from rolloutd.daemon.policy.tiny_model import TinyModelSpec
 from rolloutd.daemon.inference.vllm_server import VLLMServer
 from rolloutd.daemon.inference.vllm_weights import push_weights
 from rolloutd.daemon.tasks.filecalc import generate, split

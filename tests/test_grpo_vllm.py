@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rolloutd.native_io.trajectory import Trajectory
-from rolloutd.daemon.inference.tiny_model import Recompute, TinyModelSpec
+from rolloutd.daemon.policy.tiny_model import Recompute, TinyModelSpec
 from rolloutd.daemon.tasks.filecalc import generate
 from rolloutd.native_io.errors import RolloutdError
 

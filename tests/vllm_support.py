@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from rolloutd.daemon.inference.tiny_model import Recompute, TinyModelSpec, ensure_tiny_model
+from rolloutd.daemon.policy.tiny_model import Recompute, TinyModelSpec, ensure_tiny_model
 from rolloutd.daemon.inference.vllm_server import vllm_python
 
 __all__ = ["FIDELITY", "Recompute", "abort_until_done", "perturbed_copy", "tiny_model", "wait_running"]

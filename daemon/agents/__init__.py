@@ -3,8 +3,9 @@
 ``base`` holds the contract with the pipeline (AgentContext, AgentConfig, AgentOutcome, the Agent
 class and the registry by name); ``context`` the context over a sandbox lease and the inference
 pool; ``tokens`` the token-in/token-out ledger; ``codeact`` the built-in agent with its tools
-(``toolcalls``, ``tools``, ``editor``); ``blackbox`` runs any harness that speaks the OpenAI chat
-API through a per-rollout proxy (``rolloutd.daemon.openai_proxy``).
+(``toolcalls``, ``tools``, ``editor``). The black-box agent, which runs any harness speaking the
+OpenAI chat API through a per-rollout proxy, is built on these and lives with that proxy
+(``rolloutd.daemon.openai_proxy.agent``).
 """
 
 from rolloutd.daemon.agents.base import (
@@ -21,7 +22,5 @@ from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.daemon.agents.script import ScriptAgent
 from rolloutd.daemon.agents.tokens import TokenLedger
 
-from rolloutd.daemon.agents.blackbox import BlackBoxAgent  # noqa: E402  (last: it builds on the others)
-
-__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "BlackBoxAgent", "CodeActAgent",
+__all__ = ["Agent", "AgentConfig", "AgentContext", "AgentOutcome", "CodeActAgent",
            "SandboxAgentContext", "ScriptAgent", "TokenLedger", "make_agent", "register_agent", "registered_agents"]

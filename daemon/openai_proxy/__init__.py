@@ -7,10 +7,6 @@ or ``/v1/responses``, while rolloutd keeps the token history the model really sa
 APIs as translations into a chat request and out of a chat completion, ``apis`` the table the
 server serves them from, ``history`` the token bookkeeping (segments and history
 rewrites), ``session`` one rollout's request handling, ``server`` the HTTP server on the socket,
-``sandbox_forwarder`` the loopback relay run inside the sandbox. The agent that runs a harness
-with it is ``rolloutd.daemon.agents.blackbox``.
+``sandbox_forwarder`` the loopback relay run inside the sandbox, and ``agent`` the ``blackbox``
+agent that runs a harness with it (built on ``rolloutd.daemon.agents``, which never imports back).
 """
-
-# The agents package registers the blackbox agent, which is built on this package: loading it
-# first lets either package be imported first without a circular half-initialised import.
-import rolloutd.daemon.agents  # noqa: F401

@@ -30,6 +30,7 @@ from rolloutd.native_io.wire import RolloutArgs
 from ..agents.base import AgentOutcome, make_agent
 from ..agents.context import SandboxAgentContext
 from ..inference import SamplingParams, ServerPool
+from ..openai_proxy import agent as _blackbox_agent  # noqa: F401  (registers the ``blackbox`` agent by name)
 from ..sandbox.base import SandboxLimits, SandboxSpec
 from ..sandbox.pool import Lease, WarmPool
 from ..tasks.base import EvalResult, Task, get_task_type

@@ -40,18 +40,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolloutd.daemon.openai_proxy import sandbox_forwarder
-from rolloutd.daemon.openai_proxy.history import KEEP_MODES
-from rolloutd.daemon.openai_proxy.protocol import UNAPPLIED_MODES
-from rolloutd.daemon.openai_proxy.server import OpenAIProxyServer
-from rolloutd.daemon.openai_proxy.session import ProxyLimits, ProxySession
+from rolloutd.daemon.agents.base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
+from rolloutd.daemon.agents.codeact import user_prompt
+from rolloutd.daemon.agents.content_text import check_mode
+from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.native_io.errors import AgentError, ConfigError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
-from .base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
-from .codeact import user_prompt
-from .content_text import check_mode
-from .context import SandboxAgentContext
+from . import sandbox_forwarder
+from .history import KEEP_MODES
+from .protocol import UNAPPLIED_MODES
+from .server import OpenAIProxyServer
+from .session import ProxyLimits, ProxySession
 
 log = logging.getLogger(__name__)
 

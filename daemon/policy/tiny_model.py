@@ -6,7 +6,7 @@ CPU. ``head_dim`` stays 64, the least vLLM's CPU attention accepts. Building it 
 transformers; :func:`ensure_tiny_model` runs the build in the vLLM environment when this one
 lacks them, and caches the folder by its parameters.
 
-    python -m rolloutd.daemon.inference.tiny_model DEST [--seed N] [--hidden N] [--layers N]
+    python -m rolloutd.daemon.policy.tiny_model DEST [--seed N] [--hidden N] [--layers N]
 """
 
 from __future__ import annotations
