@@ -3,20 +3,21 @@
 One node daemon (Apptainer sandboxes, 2 workers) and the scripted reference policy server run a
 batch of bundled-task rollouts sent by a bare DEALER (the client library would hide a duplicate
 answer). While it runs, in turn: a worker is killed with SIGKILL, a sandbox's init is killed,
-the inference server is killed and started again on the same port, and one rollout's command
-asks for 20 GiB of memory. Then a second batch loses its supervisor to SIGKILL: the client
-library must fail those calls with DAEMON_LOST (an answer, not a hang), and a new daemon on the
-same run folder must reap what the dead one left. Then the router's faults (``router_faults``):
-kill -9 and restart of the router, a node stopped past the heartbeat timeout, a duplicate node
-name, a trainer reconnecting mid-batch; ``--router-only`` runs just those (no Apptainer needed).
+the inference server is killed and started again on the same port, one rollout's command
+asks for 20 GiB of memory and one writes past its workspace cap (a full disk). Then a second
+batch loses its supervisor to SIGKILL: the client library must fail those calls with DAEMON_LOST
+(an answer, not a hang), and a new daemon on the same run folder must reap what the dead one left.
+Then the router's faults (``router_faults``): kill -9 and restart of the router, a node stopped
+past the heartbeat timeout, a duplicate node name, a trainer reconnecting mid-batch;
+``--router-only`` runs just those (no Apptainer needed).
 
 Reported: ``requests``, ``answered_once``, ``lost`` (no answer), ``duplicated`` (more than one),
 ``infra_marked`` (trajectories whose ``ended_by`` is not the model: never scored),
 ``leftover_processes`` (processes still using the node's folders or in its memory cgroups),
 ``leftover_instances`` (Apptainer instances still alive), ``leftover_shm`` (the daemons'
 shared-memory segments), ``leftover_cgroups`` (a root daemon's memory cgroup folders). Not
-injected here: a full disk (``tests/test_pool.py`` fills a tmpfs) and kill -9 of a node under a
-router (``tests/test_router.py``).
+injected here: a full run folder (``tests/test_pool.py`` fills a tmpfs) and kill -9 of a node
+under a router (``tests/test_router.py``).
 """
 
 from __future__ import annotations
@@ -55,12 +56,17 @@ from rolloutd.native_io.errors import DaemonLost  # noqa: E402
 from rolloutd.native_io.wire import MsgType  # noqa: E402
 
 MEMORY_HOG = "python3 -c 'x = bytearray(20 * 2**30)'; echo survived"
+WORKSPACE_MB = 256
+DISK_HOG = "for i in 1 2 3; do head -c 128M /dev/zero > f$i || break; done; sleep 30; echo survived"
+"""Past the sandboxes' workspace cap (WORKSPACE_MB), which then holds it until the watchdog ends it."""
+HOGS = {3: ("memory-hog", MEMORY_HOG), 5: ("disk-hog", DISK_HOG)}
 
 
 def rollout_args(i: int, tasks: list[str], max_turns: int) -> dict[str, Any]:
-    if i == 3:  # the memory blowup: a command task whose one command asks for 20 GiB
-        task = {"type": "command", "instance_id": "memory-hog", "eval_script": "echo 1"}
-        req = RolloutRequest(task=task, agent="script", agent_config={"commands": [MEMORY_HOG]}, ipython=False)
+    if i in HOGS:  # the memory blowup and the full disk: a command task whose one command does it
+        name, command = HOGS[i]
+        task = {"type": "command", "instance_id": name, "eval_script": "echo 1"}
+        req = RolloutRequest(task=task, agent="script", agent_config={"commands": [command]}, ipython=False)
     else:
         req = RolloutRequest(task_id=tasks[i % len(tasks)], sampling={"max_tokens": 1024},
                              agent_config={"max_turns": max_turns})
@@ -137,8 +143,14 @@ def first_batch(address: str, n: int, tasks: list[str], max_turns: int, states: 
     infra = 0
     for rid in ids:
         for kind, header, _ in answers.get(rid, []):
+            if kind == MsgType.ERROR:
+                log.append(f"{rid} answered {header.get('code')}: {str(header.get('message'))[:120]}")
             if kind == MsgType.REPLY:
-                infra += sum(t.get("ended_by", "model") != "model" for t in header["result"]["trajectories"])
+                for t in header["result"]["trajectories"]:
+                    if t.get("ended_by", "model") != "model":
+                        infra += 1
+                        log.append(f"{rid} ended_by {t['ended_by']}: {t.get('error_code')}: "
+                                   f"{str(t.get('error_message'))[:120]}")
     return {
         "requests": n,
         "answered_once": sum(len(answers.get(r, [])) == 1 for r in ids),
@@ -192,7 +204,7 @@ def main() -> int:
     (work / "plans.json").write_text(json.dumps({"plans": plans}))
     tasks, max_turns = sorted(plans), max(map(len, plans.values()))
     api_key = secrets.token_hex(16)
-    env = {"ROLLOUTD_INFERENCE_API_KEY": api_key}
+    env = {"ROLLOUTD_INFERENCE_API_KEY": api_key, "ROLLOUTD_SANDBOX_WORKSPACE_MB": str(WORKSPACE_MB)}
     run_dir = work / "node"
     states = workers_dir(NodeConfig(run_dir=str(run_dir)))
     policy = Policy(work / "plans.json", api_key)

@@ -7,7 +7,9 @@ when it passes in every round; any failure is printed with its message.
     python bench/flaky.py [--quick] [--rounds N] [--json PATH] [-- TEST ...]
 
 Reports ``rounds``, ``runs`` (test runs in all), ``failures`` and, per test, its passes and
-failures.
+failures. ``leak_reports`` are counted apart: the autouse leak check (tests/conftest.py) counts
+Apptainer instances machine-wide, so on a node shared with other test runs it also reports theirs;
+such a test passed, and its teardown names PIDs that may be anyone's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ DEFAULT_TESTS = [
 ]
 
 ROUND_TIMEOUT_S = 600.0
+LEAK_CHECK = "test leaked Apptainer instances"
 
 
 @contextlib.contextmanager
@@ -84,22 +87,28 @@ def main() -> None:
     rounds = args.rounds or (3 if args.quick else 20)
     passes: Counter[str] = Counter()
     fails: Counter[str] = Counter()
+    leaks: Counter[str] = Counter()
     started = time.monotonic()
     with burners(args.burners), tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for test_id, failure in one_round(args.tests, Path(tmp) / f"round-{r}.xml"):
                 if failure is None:
                     passes[test_id] += 1
+                elif failure.startswith("failed on teardown") and LEAK_CHECK in failure:
+                    leaks[test_id] += 1
+                    print(f"round {r + 1}: leak check (machine-wide) after {test_id}: {failure}", flush=True)
                 else:
                     fails[test_id] += 1
                     print(f"round {r + 1}: FAILED {test_id}: {failure}", flush=True)
             print(f"round {r + 1}/{rounds} done, {sum(fails.values())} failures so far", flush=True)
-    names = sorted(set(passes) | set(fails))
+    names = sorted(set(passes) | set(fails) | set(leaks))
     print_table(f"{rounds} rounds beside {args.burners} CPU burners ({time.monotonic() - started:.0f} s)",
-                ["test", "passed", "failed"], [[n, passes[n], fails[n]] for n in names])
-    results: dict[str, Any] = {"rounds": rounds, "burners": args.burners, "runs": sum(passes.values()) + sum(fails.values()),
-                               "failures": sum(fails.values()),
-                               "tests": {n: {"passed": passes[n], "failed": fails[n]} for n in names}}
+                ["test", "passed", "failed", "leak_reports"], [[n, passes[n], fails[n], leaks[n]] for n in names])
+    results: dict[str, Any] = {"rounds": rounds, "burners": args.burners,
+                               "runs": sum(passes.values()) + sum(fails.values()) + sum(leaks.values()),
+                               "failures": sum(fails.values()), "leak_reports": sum(leaks.values()),
+                               "tests": {n: {"passed": passes[n], "failed": fails[n], "leak_reports": leaks[n]}
+                                         for n in names}}
     write_json(args.json, results)
     ok = check_targets([("every test passes in every round", results["failures"] == 0 and results["runs"] > 0)])
     sys.exit(0 if ok else 1)

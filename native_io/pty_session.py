@@ -317,7 +317,7 @@ class PtySession:
                            if restarted else "")
                         + (f"; last output: {tail(out)!r}" if out else ""),
                         details={"output": out, "truncated": truncated, "shell_restarted": restarted,
-                                 "output_bytes": collector.total},
+                                 "output_bytes": collector.total, "limit_s": timeout_s},
                     ) from None
                 except _ShellExited as e:
                     rc = e.code

@@ -2,8 +2,9 @@
 
 ``python caps_smoke.py BACKEND`` leases sandboxes of one warm pool: one allocates past its memory
 cap, one writes past its workspace cap, one writes one file larger than that cap, one (apptainer:
-a /dev/shm of its own) fills /dev/shm past its memory cap, and a bystander. Prints one JSON
-object with what it saw; the test makes the assertions.
+a /dev/shm of its own) fills /dev/shm past its memory cap, one (apptainer: a hard workspace cap)
+asks for room past the workspace cap and is refused, and a bystander. Prints one JSON object
+with what it saw; the test makes the assertions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ ALLOCATE = f"python3 -c \"x = b'x' * ({4 * MEMORY_MB} << 20); import time; time.
 FILL = f"for i in $(seq 16); do head -c 8M /dev/zero > f$i || break; done; sleep {WAIT_S}"
 FILL_SHM = f"for i in $(seq 8); do head -c {WORKSPACE_MB - 2}M /dev/zero > /dev/shm/f$i; done; sleep {WAIT_S}"
 """Files under RLIMIT_FSIZE (``workspace_mb``), past the memory cap together."""
-ONE_BIG_FILE = f"head -c {2 * WORKSPACE_MB}M /dev/zero > big; echo \"exit $?\"; stat -c %s big"
+
+def one_big_file(folder: str) -> str:
+    return f"head -c {2 * WORKSPACE_MB}M /dev/zero > {folder}/big; echo \"exit $?\"; stat -c %s {folder}/big"
+
+
+HALF = WORKSPACE_MB // 2 + 4
+ENOSPC = (f"head -c {HALF}M /dev/zero > a; head -c {HALF}M /dev/zero > b; echo \"exit $?\"; "
+          "du -sk . | cut -f1; df -k --output=fstype,size . | tail -1")
+"""Past the workspace cap by 8 MiB in two files (each under RLIMIT_FSIZE). Run where no watchdog
+looks: the full workspace would end the sandbox before its output comes back."""
 
 
 async def ended_by(lease: Lease, command: str) -> dict[str, object]:
@@ -61,13 +71,20 @@ async def main(backend_name: str) -> dict[str, object]:
             "cgroup": str(cgroup.path) if cgroup else None,
             "memory": await ended_by(memory, ALLOCATE),
             "workspace": await ended_by(disk, FILL),
-            "one_big_file": (await big.run(ONE_BIG_FILE)).output.split(),
+            # Apptainer's /workspace is capped by its size; /tmp is where RLIMIT_FSIZE still counts.
+            "one_big_file": (await big.run(one_big_file("/tmp" if backend_name == "apptainer" else "."))).output.split(),
             "bystander": (await bystander.run("echo unaffected")).output,
         }
         leases = {"memory": memory, "workspace": disk, "one_big_file": big, "bystander": bystander}
         if backend_name == "apptainer":
             leases["shm"] = await pool.lease(spec)
             seen["shm"] = await ended_by(leases["shm"], FILL_SHM)
+            unwatched = WarmPool(backend, warm_specs={}, watchdog_interval_s=3600)
+            await unwatched.start()
+            try:
+                seen["enospc"] = (await (await unwatched.lease(spec)).run(ENOSPC)).output
+            finally:
+                await unwatched.close()
         seen["caps_passed"] = {name: lease.lost_limit for name, lease in leases.items()}
         seen["watchdog_kills"] = pool.counters["watchdog_kills"]
     finally:

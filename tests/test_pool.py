@@ -17,8 +17,8 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
 
-WAIT_S = 10.0
-"""How long a test waits for a state of the pool or its sandboxes (a shell's exit, processes started)."""
+WAIT_S = 30.0
+"""How long a test waits for a state of the pool or its sandboxes (a shell's exit, processes started, a watchdog round): generous, for a loaded node."""
 
 
 async def test_lease_comes_warm_and_is_fresh(backend: SandboxBackend) -> None:

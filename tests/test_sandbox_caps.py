@@ -52,9 +52,15 @@ def test_a_sandbox_over_a_cap_is_ended_naming_it_and_no_other(backend: str, who:
     if seen["cgroup"]:  # the kernel held it to the cap and killed the allocation
         assert "the kernel killed" in memory["message"]
     else:  # the watchdog saw it over the cap in /proc
-        assert "its processes and /dev/shm held" in memory["message"]
+        assert "its processes and tmpfs held" in memory["message"]
     assert workspace["error"] == "SANDBOX_LIMIT" and workspace["cap"] == "workspace_mb", workspace
-    assert f"over its cap of {WORKSPACE_MB} MiB (workspace_mb)" in workspace["message"]
+    if backend == "apptainer":  # a hard cap: the kernel refused the writes past it, the sandbox was full
+        assert f"filled its /workspace to its cap of {WORKSPACE_MB} MiB (workspace_mb)" in workspace["message"]
+        error, code, used_kib, filesystem = seen["enospc"].splitlines()
+        assert error == "head: error writing 'standard output': No space left on device" and code == "exit 1", seen["enospc"]
+        assert int(used_kib) <= WORKSPACE_MB * 1024 and filesystem.split() == ["tmpfs", str(WORKSPACE_MB * 1024)]
+    else:  # a host folder, walked: seen past the cap
+        assert f"over its cap of {WORKSPACE_MB} MiB (workspace_mb)" in workspace["message"]
     # One file can never pass the cap: the write is stopped there (SIGXFSZ: exit 128 + 25).
     assert seen["one_big_file"] == ["exit", "153", str(WORKSPACE_MB * 2**20)]
     if backend == "apptainer":  # its own /dev/shm, a tmpfs the size of the host's, counts as memory
@@ -88,10 +94,13 @@ def test_caps_hold_for_the_sandboxes_of_a_root_daemon(short_tmp: Path) -> None:
                 tmpfs = sb.run(f"head -c {2 * TMPFS_MB}M /dev/zero > /tmp/big; echo \"exit $?\"; stat -c %s /tmp/big")
                 code, size = tmpfs.output.split()[-2:]
                 assert code != "0" and int(size) <= TMPFS_MB * 2**20, tmpfs.output
+                # The sandbox user's instances have the hard cap too (the smoke sees its ENOSPC).
+                assert sb.run("df -k --output=fstype,size /workspace | tail -1").output.split() == [
+                    "tmpfs", str(WORKSPACE_MB * 1024)]
                 with pytest.raises(SandboxLimit, match=r"memory cap of 128 MiB \(memory_mb\)"):
                     sb.run(f"python3 -c \"x = b'x' * ({4 * MEMORY_MB} << 20)\"; sleep 60", timeout_s=90)
                 with client.open_sandbox(ipython=False) as filler:
-                    with pytest.raises(SandboxLimit, match=r"over its cap of 32 MiB \(workspace_mb\)"):
+                    with pytest.raises(SandboxLimit, match=r"filled its /workspace to its cap of 32 MiB \(workspace_mb\)"):
                         filler.run("for i in $(seq 16); do head -c 8M /dev/zero > f$i || break; done; sleep 60",
                                    timeout_s=90)
                 assert bystander.run("echo unaffected").output == "unaffected\n"

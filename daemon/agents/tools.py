@@ -80,10 +80,13 @@ def format_cell(result: ExecuteResult) -> str:
 
 
 def format_timeout(e: CommandTimeout, what: str, elapsed_s: float) -> str:
-    """``elapsed_s``: what the call took; the limit itself may have been cut by the deadline."""
+    """The limit that applied (the command's own, or less when the deadline cut it), not the time the
+    call took (``elapsed_s``, shown only where the session did not say): on a loaded node the
+    interrupt adds a varying tail, and the model's observation must not depend on the load."""
     restarted = e.details.get("shell_restarted") or e.details.get("kernel_restarted")
     lost = "cwd and environment were reset" if what == "command" else "its variables are gone"
-    shown = f"{elapsed_s:.1f}" if elapsed_s < 10 else f"{elapsed_s:.0f}"
+    limit_s = float(e.details.get("limit_s") or elapsed_s)
+    shown = f"{limit_s:.1f}" if limit_s < 10 else f"{limit_s:.0f}"
     note = f"[the {what} timed out after {shown} s and was interrupted"
     note += f"; it did not stop, so it was restarted and {lost}]" if restarted else "]"
     output = str(e.details.get("output") or "").rstrip("\n")

@@ -62,12 +62,13 @@ class NodeConfig:
     sandbox_process_memory_mb: int = 8192
     """Address space of each process in a sandbox (RLIMIT_AS). 0 = no limit."""
     sandbox_workspace_mb: int = 10240
-    """Disk each sandbox's /workspace may take (one file at most this: RLIMIT_FSIZE; all of them:
-    the watchdog); over it, SANDBOX_LIMIT. 0 = no cap."""
+    """What each sandbox's /workspace may hold: apptainer, a tmpfs of this size (writes past it fail
+    with ENOSPC; RAM, so within sandbox_memory_mb); local, disk the watchdog walks. Full or over it,
+    SANDBOX_LIMIT. 0 = no cap (and a /workspace on the host disk)."""
     sandbox_max_processes: int = 512
     """Processes each sandbox may run at once; over it, SANDBOX_LIMIT."""
     sandbox_disk_check_interval_s: float = 5.0
-    """How often the watchdog measures workspaces for sandbox_workspace_mb (a stat per file)."""
+    """How often the watchdog walks workspaces on disk for sandbox_workspace_mb (a stat per file)."""
     sandbox_user: str = "rolloutd-sandbox"
     """When the daemon runs as root, the unprivileged user its workers and so every sandbox run as
     (``scripts/add-sandbox-user`` creates it); ignored for a daemon started by an ordinary user."""

@@ -8,6 +8,10 @@
   which the default mode needs on machines that withhold a capability.
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
   ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
+- ``/workspace`` is a tmpfs of ``workspace_mb`` mounted in the instance's own namespaces
+  (:mod:`.ns_tmpfs`): a hard cap (ENOSPC inside), in RAM and so charged to the sandbox's memory.
+  Where the instance's namespaces are not its user's (a setuid Apptainer) it stays the bound lease
+  folder, which the watchdog walks.
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
   with the user's instances and are removed with the sandbox.
 - Stop ladder: SIGTERM to the instance's init, then SIGKILL; killing a PID namespace's init kills
@@ -23,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -39,6 +44,8 @@ from .images import resolve_image
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
+NS_TMPFS_SCRIPT = Path(__file__).with_name("ns_tmpfs.py")
+MOUNT_TIMEOUT_S = 30.0
 
 
 def apptainer_available() -> bool:
@@ -57,6 +64,8 @@ class ApptainerSandbox(Sandbox):
         self._init: ProcessHandle | None = None
         self._pidns: int | None = None
         self.image_path: Path | None = None
+        self.workspace_capped = False
+        """``/workspace`` is the size-capped tmpfs (see the module's note), not the lease folder."""
 
     @property
     def run_dir_inside(self) -> str:
@@ -65,6 +74,13 @@ class ApptainerSandbox(Sandbox):
     @property
     def workspace_inside(self) -> str:
         return WORKSPACE_INSIDE
+
+    @property
+    def workspace(self) -> Path:
+        # The capped tmpfs exists only in the instance's mount namespace; its init's root shows it.
+        if self.workspace_capped and self.init_pid is not None:
+            return Path(f"/proc/{self.init_pid}/root{WORKSPACE_INSIDE}")
+        return self.lease_dir / "workspace"
 
     @property
     def shared_inside(self) -> str:
@@ -138,6 +154,27 @@ class ApptainerSandbox(Sandbox):
                 f"{output}\ncommand: {' '.join(argv)}"
             )
         self._adopt_init(int(pid_text))
+        if self.spec.limits.workspace_mb is not None:
+            await self._cap_workspace(self.spec.limits.workspace_mb, start_log)
+
+    async def _cap_workspace(self, size_mb: int, log_path: Path) -> None:
+        """Mount the ``workspace_mb`` tmpfs at /workspace; failing that, keep the walked folder."""
+        with open(log_path, "ab") as log_file:
+            proc = await spawn([sys.executable, "-I", "-S", str(NS_TMPFS_SCRIPT), str(self.init_pid),
+                                WORKSPACE_INSIDE, str(size_mb)], stdout=log_file, stderr=log_file)
+        try:
+            code = await asyncio.wait_for(proc.wait(), MOUNT_TIMEOUT_S)
+        except BaseException:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+            await asyncio.shield(self.stop())
+            raise
+        if code == 0:
+            self.workspace_capped = True
+            return
+        output = tail((await asyncio.to_thread(log_path.read_text, errors="replace")).strip(), LOG_TAIL_CHARS)
+        log.warning("sandbox %s: no hard cap on /workspace (%s); the watchdog walks it for workspace_mb instead",
+                    self.id, output.splitlines()[-1] if output else f"exit {code}")
 
     def _adopt_init(self, pid: int | None) -> None:
         self.init_pid = pid
@@ -165,19 +202,30 @@ class ApptainerSandbox(Sandbox):
         cmd += ["--pwd", cwd or WORKSPACE_INSIDE, f"instance://{self.instance_name}", *argv]
         return cmd
 
-    def shm_bytes(self) -> int:
-        # The instance's own tmpfs at /dev/shm (host-sized, uncapped), seen through its init.
+    def tmpfs_bytes(self) -> int:
+        # The instance's own tmpfs at /dev/shm (host-sized, uncapped) and its /workspace, seen
+        # through its init.
         if self.init_pid is None:
             return 0
+        total = 0
+        for inside in ("/dev/shm", WORKSPACE_INSIDE) if self.workspace_capped else ("/dev/shm",):
+            with contextlib.suppress(OSError):
+                st = os.statvfs(f"/proc/{self.init_pid}/root{inside}")
+                total += (st.f_blocks - st.f_bfree) * st.f_frsize
+        return total
+
+    def workspace_free_bytes(self) -> int | None:
+        if not self.workspace_capped or self.init_pid is None:
+            return None
         try:
-            st = os.statvfs(f"/proc/{self.init_pid}/root/dev/shm")
-        except OSError:
-            return 0
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
+            st = os.statvfs(self.workspace)
+        except OSError:  # the instance is gone: the pool sees that, not the cap
+            return None
+        return st.f_bavail * st.f_frsize
 
     def disk_folders(self) -> list[Path]:
-        overlay = self.lease_dir / "overlay"
-        return [self.workspace, overlay] if self.spec.writable == "overlay" else [self.workspace]
+        folders = [] if self.workspace_capped else [self.workspace]
+        return folders + [self.lease_dir / "overlay"] if self.spec.writable == "overlay" else folders
 
     def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:
         """Every process in the instance's PID namespace (killing its init ends them all)."""

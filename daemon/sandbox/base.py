@@ -53,8 +53,10 @@ class SandboxLimits:
     process_memory_mb: int | None = 8192
     """Address space of each process inside (RLIMIT_AS); None for no limit."""
     workspace_mb: int | None = 10240
-    """Disk the sandbox's ``/workspace`` (and an ``overlay`` layer) may take; one file at most this
-    (RLIMIT_FSIZE), all files together checked by the watchdog. None for no cap."""
+    """What the sandbox's ``/workspace`` (and an ``overlay`` layer) may hold. Apptainer: a tmpfs of
+    this size, so writes past it fail with ENOSPC (RAM, counted in ``memory_mb``); elsewhere disk,
+    walked by the watchdog. One file at most this (RLIMIT_FSIZE). None for no cap (and a
+    ``/workspace`` on disk)."""
     min_free_disk_mb: int = 256
     """A sandbox does not start while its backend's folder has less free space than this: a
     clear error then, where a full disk would fail every sandbox half-way with ENOSPC."""
@@ -198,12 +200,18 @@ class Sandbox(abc.ABC):
     def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
         """What :meth:`exec_argv` runs, before it is put in the cgroup."""
 
-    def shm_bytes(self) -> int:
-        """Bytes the sandbox's own ``/dev/shm`` holds (0 where it has none of its own)."""
+    def tmpfs_bytes(self) -> int:
+        """Bytes the sandbox's own tmpfs mounts (``/dev/shm``, a capped ``/workspace``) hold: RAM
+        (0 where it has none of its own)."""
         return 0
 
+    def workspace_free_bytes(self) -> int | None:
+        """Room left under a hard ``workspace_mb`` cap (writes past it fail with ENOSPC); None where
+        the workspace is a host folder the watchdog walks instead (see ``disk_folders``)."""
+        return None
+
     def disk_folders(self) -> list[Path]:
-        """Host folders whose files count towards ``workspace_mb``."""
+        """Host folders whose files count towards ``workspace_mb``, walked by the watchdog."""
         return [self.workspace]
 
     def process_ids(self, procs: list[ProcInfo] | None = None) -> list[int]:

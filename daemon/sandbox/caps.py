@@ -6,9 +6,11 @@
   memory of the sandbox's processes plus what its private ``/dev/shm`` holds, read from /proc:
   after the fact (once a round), so the per-process RLIMIT_AS (``process_memory_mb``) bounds the
   overshoot in between.
-- ``workspace_mb``: the disk its ``/workspace`` (and an ``overlay`` writable layer) holds, walked
-  every ``disk_check_interval_s``; RLIMIT_FSIZE (one file at most ``workspace_mb``) bounds the
-  overshoot in between, since no quota an unprivileged process may set exists for a host folder.
+- ``workspace_mb``: where ``/workspace`` is a size-capped tmpfs (Apptainer), the kernel stops
+  writes at the cap with ENOSPC and the check sees it full (a stat, every round). Where it is a
+  host folder (the local backend; an ``overlay`` writable layer), the disk it holds, walked every
+  ``disk_check_interval_s``; RLIMIT_FSIZE (one file at most ``workspace_mb``) bounds the overshoot
+  in between, since no quota an unprivileged process may set exists for a host folder.
 
 Everything here reads files: it runs in a thread, never on the loop.
 """
@@ -25,6 +27,8 @@ from rolloutd.native_io.procfs import rss_census
 from .base import Sandbox
 
 MiB = 2**20
+FULL_BYTES = 64 * 1024
+"""A capped workspace with less room than this is full: writes past it fail."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +59,16 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
                                                        f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
                     continue
             else:
-                used = sum(rss[k] for k in sb.census_keys()) + sb.shm_bytes()
+                used = sum(rss[k] for k in sb.census_keys()) + sb.tmpfs_bytes()
                 if used > lim.memory_mb * MiB:
-                    found[sb.id] = Breach("memory_mb", f"its processes and /dev/shm held {used // MiB} MiB, over "
+                    found[sb.id] = Breach("memory_mb", f"its processes and tmpfs held {used // MiB} MiB, over "
                                                        f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
                     continue
+        free = sb.workspace_free_bytes() if lim.workspace_mb is not None else None
+        if free is not None and free < FULL_BYTES:
+            found[sb.id] = Breach("workspace_mb", f"it filled its {sb.workspace_inside} to its cap of "
+                                                  f"{lim.workspace_mb} MiB (workspace_mb); writes past it failed")
+            continue
         if check_disk and lim.workspace_mb is not None:
             used = sum(disk_usage(p) for p in sb.disk_folders())
             if used > lim.workspace_mb * MiB:

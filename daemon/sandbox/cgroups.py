@@ -17,8 +17,15 @@ lists ``memory``) work the same way through :class:`Flavor`; a parent is used on
 process was moved into a cgroup made there (:meth:`MemoryCgroups.can_join`). Where none passes (an
 ordinary user on most clusters; v2 under a root daemon, whose workers live outside the folder it
 hands them) there is none, and the watchdog falls back to the resident memory it reads from /proc
-(see :mod:`.caps`). Only v1 is exercised by the tests (the machine they were written on has no
-memory controller on v2).
+(see :mod:`.caps`). Only v1 is exercised by the tests. On the machine they were written on the
+unified hierarchy (``/sys/fs/cgroup/unified``; another ``mount -t cgroup2`` shows the same one)
+offers only ``hugetlb``: ``+memory`` in its ``subtree_control`` fails with ENOENT, since v1 holds
+the memory controller, and v1's hierarchy holds the host's own cgroups, so it cannot be handed
+over. What v2 delegation needs was checked there all the same, on a folder of that hierarchy
+handed to the sandbox user: a process of that user outside the folder cannot be moved into it
+(the write to ``cgroup.procs`` fails: v2 wants write access to the common ancestor), one inside a
+leaf of it can move its children into a sibling. So a root daemon on v2 would have to start its
+workers inside the folder it delegates; it does not yet, and the watchdog holds memory there.
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ class KernelSession:
                 text, truncated = out.text()
                 raise CommandTimeout(
                     f"IPython cell exceeded its {timeout_s} s limit (timeout_s) and was interrupted",
-                    details={"output": text, "truncated": truncated, "kernel_restarted": False},
+                    details={"output": text, "truncated": truncated, "kernel_restarted": False, "limit_s": timeout_s},
                 )
             try:
                 return await ch.next(ch.iopub_messages, min(remaining, 0.5))
