@@ -6,9 +6,8 @@ of ``actor_rollout_ref.rollout.agent.agent_loop_config_path``, whose extra keys 
 arguments: ``rolloutd_address``, ``rolloutd_timeout_s``), calls ``run(sampling_params, **row)``
 with the dataset row's fields, and pads and batches the ``AgentLoopOutput`` it returns.
 
-The row's ``rolloutd_request`` field holds the rollout: a dict of ``RolloutRequest`` fields
-(``task_id``/``dataset`` or ``task``, ``sampling``, ...); ``n`` is 1 (veRL repeats rows itself).
-veRL's temperature/top_p/top_k fill the sampling keys the request leaves out.
+The row's ``rolloutd_request`` field holds the rollout (:func:`rows.row_request`): a dict of
+``RolloutRequest`` fields; ``n`` is 1 (veRL repeats rows itself).
 
 Importing this module imports veRL: veRL configs name it, nothing in rolloutd does.
 """
@@ -19,27 +18,11 @@ from typing import Any
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
+from rolloutd.client.adapters.rows import rollout_rows, row_request
 from rolloutd.client.adapters.verl import to_verl_agent_loop_outputs
-from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.native_io.errors import BadRequest
 
 AGENT_NAME = "rolloutd"
-SAMPLING_FROM_VERL = ("temperature", "top_p", "top_k")
-
-
-def rollout_request(fields: Any, sampling_params: dict[str, Any]) -> RolloutRequest:
-    """The ``rolloutd_request`` of a dataset row as one sample's request."""
-    if not isinstance(fields, dict):
-        raise BadRequest(f"the row's rolloutd_request must be a dict of RolloutRequest fields, not {type(fields).__name__}")
-    try:
-        request = RolloutRequest(**{**fields, "n": 1})
-    except TypeError as e:
-        raise BadRequest(f"the row's rolloutd_request has a field RolloutRequest does not: {e}") from e
-    # top_k -1 is veRL's "off"; rolloutd leaves an absent key at the server's default.
-    inherited = {k: sampling_params[k] for k in SAMPLING_FROM_VERL
-                 if k in sampling_params and not (k == "top_k" and sampling_params[k] == -1)}
-    request.sampling = {**inherited, **request.sampling}
-    return request
 
 
 @register(AGENT_NAME)
@@ -61,14 +44,7 @@ class RolloutdAgentLoop(AgentLoopBase):
         if "rolloutd_request" not in kwargs:
             raise BadRequest(f"agent loop {AGENT_NAME!r} needs a rolloutd_request field in each dataset row; "
                              f"this row has {sorted(kwargs)}")
-        request = rollout_request(kwargs["rolloutd_request"], sampling_params)
-        async with AsyncRolloutClient(self.rolloutd_address) as client:
-            (request_id,) = await client.submit([request])
-            results = await client.results([request_id], timeout_s=self.rolloutd_timeout_s)
-            result = results[request_id]
-            trajectories = [t.copy() for t in result.trajectories]
-            await client.release(result)
-        if result.error is not None:
-            raise result.error
+        request = row_request(kwargs["rolloutd_request"], sampling_params)
+        trajectories = await rollout_rows(self.rolloutd_address, [request], self.rolloutd_timeout_s)
         (output,) = to_verl_agent_loop_outputs(trajectories, use_trainer_class=True)
         return output
