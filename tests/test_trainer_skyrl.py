@@ -42,7 +42,7 @@ def generator_input(base: object) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_skyrl_validates_pads_and_groups_the_generators_rows() -> None:
     base = skyrl_module("skyrl.train.generators.base")
     trainer_utils = skyrl_module("skyrl.train.utils.trainer_utils")

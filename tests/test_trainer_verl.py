@@ -47,24 +47,29 @@ def verl_config(model_dir: Path, loops_yaml: Path) -> Any:
         return hydra.compose(config_name="ppo_trainer", overrides=overrides)
 
 
+def objects(items: list[Any]) -> np.ndarray:
+    """A 1-D object column (numpy would make a list of equal-length lists 2-D)."""
+    column = np.empty(len(items), dtype=object)
+    column[:] = items
+    return column
+
+
 def input_batch(protocol: Any) -> Any:
     """One GRPO group as veRL's trainer hands it to the rollout: rows repeated, one shared uid."""
     requests = []
     for r in group_requests(GROUP):
         fields = {"task": r.task, "sampling": r.sampling, "infra_retries": r.infra_retries}
         requests += [fields] * r.n
-    column = np.empty(GROUP, dtype=object)
-    column[:] = requests
     return protocol.DataProto.from_dict(non_tensors={
-        "raw_prompt": np.array([[{"role": "user", "content": "write hi"}]] * GROUP + [None], dtype=object)[:GROUP],
-        "rolloutd_request": column,
+        "raw_prompt": objects([[{"role": "user", "content": "write hi"}]] * GROUP),
+        "rolloutd_request": objects(requests),
         "uid": np.array(["group-0"] * GROUP, dtype=object),
         "index": np.arange(GROUP),
     })
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_verl_agent_loop_worker_runs_rolloutd_loop(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     agent_loop = real_module("verl.experimental.agent_loop.agent_loop")
     protocol = real_module("verl.protocol")

@@ -12,8 +12,8 @@ from daemon_fixtures import policy_and_node
 from rolloutd.client import RolloutClient, RolloutRequest
 
 API_KEY = "trainer-test-key"
-ROLLOUT_TIMEOUT_S = 240.0
-"""One group's rollouts on a loaded 2-core machine (each is a few seconds alone)."""
+ROLLOUT_TIMEOUT_S = 480.0
+"""One group's rollouts on a 2-core machine other jobs load heavily (each takes seconds alone)."""
 
 SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
 WRITE = 'Writing it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "echo hi > out.txt"}}\n</tool_call>'
