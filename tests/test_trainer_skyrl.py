@@ -11,32 +11,32 @@ What is not run here: SkyRL's trainer loop itself (Ray actors and FSDP/Megatron 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
 from adapters_support import real_module, skyrl_module, trajectories
-from trainer_support import ROLLOUT_TIMEOUT_S, WRITE, expected_rewards, group_requests, rollout_client
+from trainer_support import (
+    ROLLOUT_TIMEOUT_S, WRITE, expected_rewards, group_requests, rollout_client, tiny_model_dir,
+)
 
 from rolloutd.client.adapters.skyrl import drop_unscored, to_skyrl_generator_output
-from rolloutd.daemon.inference.tiny_model import TinyModelSpec, ensure_tiny_model
 from rolloutd.native_io.errors import BadRequest
 
 GROUP = 4
-REPO = Path(__file__).resolve().parent.parent
 
 
 def generator_input(base: object) -> dict[str, object]:
     """One GRPO group as SkyRL's trainer builds it: the prompt repeated, repetition ids 0..n-1."""
     extras = []
     for r in group_requests(GROUP):
-        extras += [{"rolloutd_request": {"task": r.task, "sampling": r.sampling, "infra_retries": r.infra_retries}}] * r.n
+        fields = {"task": r.task, "sampling": r.sampling, "infra_retries": r.infra_retries}
+        extras += [{"rolloutd_request": fields}] * r.n
     return {
         "prompts": [[{"role": "user", "content": "write hi"}]] * GROUP,
         "env_classes": ["rolloutd"] * GROUP,
         "env_extras": extras,
         "sampling_params": {"temperature": 1.0},
-        "trajectory_ids": [base.TrajectoryID(instance_id="write-hi", repetition_id=i) for i in range(GROUP)],  # type: ignore[attr-defined]
+        "trajectory_ids": [base.TrajectoryID("write-hi", i) for i in range(GROUP)],  # type: ignore[attr-defined]
         "batch_metadata": base.BatchMetadata(global_step=1, training_phase="train"),  # type: ignore[attr-defined]
     }
 
@@ -53,7 +53,7 @@ def test_skyrl_validates_pads_and_groups_the_generators_rows() -> None:
     from rolloutd.client.adapters.skyrl_generator import RolloutdGenerator
 
     assert issubclass(RolloutdGenerator, base.GeneratorInterface)
-    model_dir = ensure_tiny_model(Path(os.environ.get("ROLLOUTD_CACHE_DIR", REPO / ".cache")), TinyModelSpec())
+    model_dir = tiny_model_dir()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     batch = generator_input(base)
     with rollout_client() as client:

@@ -10,27 +10,21 @@ and the step moved the weights with a finite loss.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from adapters_support import build, real_module, trajectories
-from trainer_support import ROLLOUT_TIMEOUT_S, expected_rewards, group_requests, rollout_client
+from trainer_support import (
+    ROLLOUT_TIMEOUT_S, expected_rewards, group_requests, rollout_client, tiny_model_dir,
+)
 
 from rolloutd.client.adapters.trl import TRLRolloutFunc, rolloutd_reward, to_trl_rollout
-from rolloutd.daemon.inference.tiny_model import TinyModelSpec, ensure_tiny_model
 from rolloutd.native_io.errors import BadRequest
 
 GROUP = 4
 STEPS = 2
 """Optimizer steps on one generated group (TRL's steps_per_generation): one round of rollouts."""
-REPO = Path(__file__).resolve().parent.parent
-
-
-def tiny_model_dir() -> Path:
-    cache = Path(os.environ.get("ROLLOUTD_CACHE_DIR", REPO / ".cache"))
-    return ensure_tiny_model(cache, TinyModelSpec())
 
 
 class Seen:
@@ -73,8 +67,8 @@ def test_grpo_trainer_steps_on_rolloutd_rollouts(short_tmp: Path, monkeypatch: p
     model.register_forward_pre_hook(record_forward, with_kwargs=True)
     config = trl.GRPOConfig(
         output_dir=str(short_tmp / "out"), use_cpu=True, per_device_train_batch_size=GROUP // STEPS,
-        steps_per_generation=STEPS, num_generations=GROUP, max_steps=STEPS, learning_rate=1e-2, beta=0.0, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        steps_per_generation=STEPS, num_generations=GROUP, max_steps=STEPS, learning_rate=1e-2, beta=0.0,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
     )
     dataset = datasets.Dataset.from_dict({"prompt": ["write hi"]})
 

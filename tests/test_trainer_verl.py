@@ -10,24 +10,23 @@ veRL's own GRPO estimator on the batch, after the unscored row is dropped.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from adapters_support import real_module, trajectories
-from trainer_support import API_KEY, PLANS, ROLLOUT_TIMEOUT_S, WRITE, expected_rewards, group_requests
+from trainer_support import (
+    API_KEY, PLANS, ROLLOUT_TIMEOUT_S, WRITE, expected_rewards, group_requests, tiny_model_dir,
+)
 from daemon_fixtures import policy_and_node
 
 from rolloutd.client import RolloutClient
 from rolloutd.client.adapters.verl import drop_unscored, to_verl_batch
-from rolloutd.daemon.inference.tiny_model import TinyModelSpec, ensure_tiny_model
 from rolloutd.native_io.errors import BadRequest
 
 GROUP = 4
 PROMPT_LENGTH, RESPONSE_LENGTH = 2048, 512
-REPO = Path(__file__).resolve().parent.parent
 
 
 def verl_config(model_dir: Path, loops_yaml: Path) -> Any:
@@ -80,7 +79,7 @@ def test_verl_agent_loop_worker_runs_rolloutd_loop(short_tmp: Path, monkeypatch:
 
     assert agent_loop._agent_loop_registry["rolloutd"]["_target_"] == (
         "rolloutd.client.adapters.verl_agent_loop.RolloutdAgentLoop")
-    model_dir = ensure_tiny_model(Path(os.environ.get("ROLLOUTD_CACHE_DIR", REPO / ".cache")), TinyModelSpec())
+    model_dir = tiny_model_dir()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
 
     with policy_and_node(PLANS, API_KEY, "--backend", "local", "--workers", "1", "--warm", "2",

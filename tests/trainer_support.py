@@ -7,9 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import os
+from pathlib import Path
+
 from daemon_fixtures import policy_and_node
 
 from rolloutd.client import RolloutClient, RolloutRequest
+from rolloutd.daemon.inference.tiny_model import TinyModelSpec, ensure_tiny_model
 
 API_KEY = "trainer-test-key"
 ROLLOUT_TIMEOUT_S = 480.0
@@ -49,6 +53,12 @@ def rollout_client() -> Iterator[RolloutClient]:
         with RolloutClient(address) as client:
             assert client.add_inference_server(url)["workers"]
             yield client
+
+
+def tiny_model_dir() -> Path:
+    """The tiny Qwen2 test model (built once into the cache; its tokenizer is the policy's)."""
+    repo = Path(__file__).resolve().parent.parent
+    return ensure_tiny_model(Path(os.environ.get("ROLLOUTD_CACHE_DIR", repo / ".cache")), TinyModelSpec())
 
 
 def expected_rewards(n: int) -> list[float | None]:

@@ -3,8 +3,9 @@
 One module per trainer (``verl``, ``skyrl``, ``nemo_rl``, ``openrlhf``, ``trl``) plus ``batching``
 (padding helpers) and ``rows`` (a dataset row's rollout request). Importing this package imports no
 trainer: each adapter imports its trainer lazily, when called, and falls back to plain records with
-the same field names when the trainer is absent. ``verl_agent_loop`` and ``skyrl_generator``
-subclass the trainer's own base class, so they import it: trainer configs name them directly.
+the same field names when the trainer is absent. ``verl_agent_loop``, ``skyrl_generator`` and
+``openrlhf_agent`` subclass the trainer's own base class, so they import it: trainer configs name
+them directly.
 """
 
 from rolloutd.client.adapters.batching import PaddedBatch, collate, length_mask, pad_sequences, position_ids, unpad

@@ -19,7 +19,8 @@ SAMPLING_FROM_TRAINER = ("temperature", "top_p", "top_k")
 def row_request(fields: Any, sampling_params: dict[str, Any] | None) -> RolloutRequest:
     """One sample's request (``n`` = 1) from a row's dict of ``RolloutRequest`` fields."""
     if not isinstance(fields, dict):
-        raise BadRequest(f"a row's rolloutd_request must be a dict of RolloutRequest fields, not {type(fields).__name__}")
+        raise BadRequest(f"a row's rolloutd_request must be a dict of RolloutRequest fields, "
+                         f"not {type(fields).__name__}")
     try:
         request = RolloutRequest(**{**fields, "n": 1})
     except TypeError as e:

@@ -217,7 +217,8 @@ def drop_unscored(batch: Any) -> Any:
     """
     valid = batch.non_tensor_batch.get("reward_valid")
     if valid is None:
-        raise BadRequest("the batch has no reward_valid column: it did not come from a rolloutd adapter or agent loop")
+        raise BadRequest("the batch has no reward_valid column: it did not come from a rolloutd adapter "
+                         "or agent loop")
     keep = np.flatnonzero(np.asarray(valid, dtype=bool))
     if isinstance(batch, VerlBatch):
         return VerlBatch(batch={k: v[keep] for k, v in batch.batch.items()},
