@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import warnings
 from types import ModuleType
 
@@ -94,3 +95,23 @@ def real_module(name: str) -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)
+
+
+def skyrl_module(name: str) -> ModuleType:
+    """A module of the installed SkyRL release. skyrl 0.3.0 declares Python >= 3.11 but builds
+    pydantic models from ``typing.TypedDict`` classes, which pydantic refuses before 3.12 (the
+    next release requires 3.12). On 3.11 its modules are imported with ``typing.TypedDict`` bound
+    to ``typing_extensions.TypedDict`` (what pydantic asks for, same behaviour) for the import
+    only; nothing of SkyRL's code is changed or copied."""
+    if sys.version_info >= (3, 12) or name in sys.modules:
+        return real_module(name)
+    import typing
+
+    import typing_extensions
+
+    plain = typing.TypedDict
+    typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+    try:
+        return real_module(name)
+    finally:
+        typing.TypedDict = plain  # type: ignore[misc]

@@ -2,8 +2,9 @@
 
 Keys are those of GeneratorOutput in skyrl/train/generators/base.py at NovaSky-AI/SkyRL a956457;
 the row invariants are the ones skyrl/train/utils/trainer_utils.py::validate_generator_output
-asserts. SkyRL itself is not importable on Python 3.11 (release 0.3.0 raises a pydantic error at
-import), so the real-class test skips there.
+asserts (tests/test_trainer_skyrl.py runs SkyRL's own validator). Release 0.3.0 does not import
+as is on Python 3.11 (a pydantic error), so the real-class test imports it as
+adapters_support.skyrl_module says.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from adapters_support import build, real_module, trajectories
+from adapters_support import build, skyrl_module, trajectories
 
 from rolloutd.client.adapters.skyrl import SkyRLTrajectoryID, to_skyrl_generator_output
 from rolloutd.native_io.errors import BadRequest
@@ -58,7 +59,8 @@ def test_keys_and_rows() -> None:
         assert type(out["rewards"][i]) is float and out["rewards"][i] == t.reward
         tid = out["trajectory_ids"][i]
         assert (tid.instance_id, tid.repetition_id) == (t.task_id, t.sample_index)
-        assert out["env_metrics"][i] == {**t.metrics, "weight_versions": t.weight_versions, "straddled_turns": []}
+        assert out["env_metrics"][i] == {**t.metrics, "weight_versions": t.weight_versions, "straddled_turns": [],
+                                         "reward_valid": t.reward_valid}
     assert out["trajectory_ids"][1].to_string() == "task-b_1"
     assert {f.name for f in dataclasses.fields(SkyRLTrajectoryID)} == {"instance_id", "repetition_id"}
     # SkyRL zeroes rewards and (with overlong filtering) loss masks unless the reason is "stop"
@@ -114,7 +116,7 @@ def test_without_skyrl_the_default_is_plain_records() -> None:
 
 
 def test_real_generator_output_keys() -> None:
-    mod = real_module("skyrl.train.generators.base")
+    mod = skyrl_module("skyrl.train.generators.base")
     out = to_skyrl_generator_output(trajectories(), use_trainer_class=True)
     assert set(out) == set(mod.GeneratorOutput.__annotations__) - VISION_KEYS
     assert all(isinstance(t, mod.TrajectoryID) for t in out["trajectory_ids"])

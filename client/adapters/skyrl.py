@@ -144,7 +144,33 @@ def to_skyrl_generator_output(
         ),
         "rollout_expert_indices": None,
         "is_last_step": None,
-        "env_metrics": [{**t.metrics, **turn_versions(t)} for t in trajs],
+        "env_metrics": [{**t.metrics, **turn_versions(t), "reward_valid": t.reward_valid} for t in trajs],
     }
     keys = [k for k in mod.GeneratorOutput.__annotations__ if k not in _VISION_KEYS] if mod else GENERATOR_OUTPUT_KEYS
     return {k: values.get(k) for k in keys}
+
+
+def drop_unscored(generator_output: dict[str, Any], uids: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The rows of a ``GeneratorOutput`` (and their uids) whose reward is a score.
+
+    SkyRL's GRPO baseline is the mean reward of every row sharing a uid, whatever its loss mask,
+    so a row the model did not end (``env_metrics[i]["reward_valid"]`` False) would enter its group
+    as a 0. SkyRL drops rows the way its dynamic-sampling filter does, by handing on a shorter
+    ``(generator_output, uids)``: call this where that filter runs, after ``generate`` and before
+    ``postprocess_generator_output``.
+    """
+    rows = len(generator_output["response_ids"])
+    metrics = generator_output.get("env_metrics")
+    if not metrics or any("reward_valid" not in m for m in metrics) or len(uids) != rows:
+        raise BadRequest(f"drop_unscored needs one uid per row ({len(uids)} for {rows}) and env_metrics with "
+                         f"reward_valid: pass a GeneratorOutput from to_skyrl_generator_output or RolloutdGenerator")
+    keep = [i for i, m in enumerate(metrics) if m["reward_valid"]]
+
+    def rows_of(value: Any) -> Any:
+        if isinstance(value, list) and len(value) == rows:
+            return [value[i] for i in keep]
+        if isinstance(value, dict) and all(isinstance(v, list) and len(v) == rows for v in value.values()):
+            return {k: [v[i] for i in keep] for k, v in value.items()}  # trajectory_time_splits
+        return value  # batch-level: rollout_metrics, None
+
+    return {k: rows_of(v) for k, v in generator_output.items()}, [uids[i] for i in keep]

@@ -35,7 +35,7 @@ from rolloutd.client.adapters.common import (
     trainer_module,
     turn_versions,
 )
-from rolloutd.native_io.errors import ConfigError
+from rolloutd.native_io.errors import BadRequest, ConfigError
 from rolloutd.native_io.trajectory import Trajectory
 
 AGENT_LOOP_MODULE = "verl.experimental.agent_loop.agent_loop"
@@ -205,3 +205,23 @@ def to_verl_batch(
     if mod is not None:
         return mod.DataProto.from_dict(tensors=batch, non_tensors=non_tensor, meta_info=meta_info)
     return VerlBatch(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+
+def drop_unscored(batch: Any) -> Any:
+    """The rows of a veRL batch (``DataProto`` or :class:`VerlBatch`) whose reward is a score.
+
+    veRL's GRPO baseline is the mean score of every row sharing a ``uid``, whatever its response
+    mask, so a row the model did not end (``reward_valid`` False) would enter its group as a 0.
+    veRL has no per-row drop flag; it drops rows by selecting the others (``DataProto.select_idxs``,
+    as its DAPO group filter does): call this between ``generate_sequences`` and the advantages.
+    """
+    valid = batch.non_tensor_batch.get("reward_valid")
+    if valid is None:
+        raise BadRequest("the batch has no reward_valid column: it did not come from a rolloutd adapter "
+                         "or agent loop")
+    keep = np.flatnonzero(np.asarray(valid, dtype=bool))
+    if isinstance(batch, VerlBatch):
+        return VerlBatch(batch={k: v[keep] for k, v in batch.batch.items()},
+                         non_tensor_batch={k: v[keep] for k, v in batch.non_tensor_batch.items()},
+                         meta_info=batch.meta_info)
+    return batch.select_idxs(keep)
