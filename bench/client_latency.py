@@ -19,14 +19,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import check_targets, print_table, standard_args, summary_ms, write_json  # noqa: E402
+from common import check_targets, print_table, standard_args, summary_ms, time_calls, write_json  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 from support.net import free_port  # noqa: E402
 
@@ -163,15 +162,6 @@ def http_server(mode: str) -> Iterator[Callable[[], None]]:
         proc.wait()
 
 
-def timed_block(fn: Callable[[], Any], k: int) -> list[float]:
-    out = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
     n = 500 if args.quick else 3000
@@ -188,11 +178,11 @@ def main() -> int:
         direct = DirectPty()
         stack.callback(direct.close)
         paths: dict[str, Callable[[int], list[float]]] = {
-            "client": lambda k: timed_block(lambda: ours.run("echo hi"), k),
-            "client_via_node": lambda k: timed_block(lambda: via_node.run("echo hi"), k),
+            "client": lambda k: time_calls(lambda: ours.run("echo hi"), k, warmup=0),
+            "client_via_node": lambda k: time_calls(lambda: via_node.run("echo hi"), k, warmup=0),
             "direct": direct.block,
-            "http": functools.partial(timed_block, stack.enter_context(http_server("inprocess"))),
-            "http_queues": functools.partial(timed_block, stack.enter_context(http_server("queues"))),
+            "http": functools.partial(time_calls, stack.enter_context(http_server("inprocess")), warmup=0),
+            "http_queues": functools.partial(time_calls, stack.enter_context(http_server("queues")), warmup=0),
         }
         for measure in paths.values():
             measure(WARMUP)
