@@ -79,7 +79,8 @@ class Worker:
         self.link_fd = link_fd
         self.link: UnixLink | None = None
         self.client_listener = clients
-        self.supervisor_pid = os.getppid()
+        self.supervisor_gone = False
+        """Set when the supervisor died (its link closed, or DEATH_SIGNAL came), as opposed to a stop it asked for."""
         self.client_links: ClientLinks | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
         self.default_spec = SandboxSpec(image=config.image, limits=config.sandbox_limits())
@@ -141,7 +142,12 @@ class Worker:
 
     async def serve(self) -> None:
         stopping = asyncio.Event()
-        self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=stopping.set)
+
+        def supervisor_died() -> None:
+            self.supervisor_gone = True
+            stopping.set()
+
+        self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=supervisor_died)
         await self.pool.start()
         await self._start_pipeline()
         if self.client_listener is not None:
@@ -154,6 +160,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(DEATH_SIGNAL, supervisor_died)
         try:
             async with asyncio.TaskGroup() as tg:
                 stats = tg.create_task(self._stats_loop())
@@ -164,11 +171,10 @@ class Worker:
 
     async def shutdown(self) -> None:
         if self.client_links is not None:
-            # PDEATHSIG stops a worker whose supervisor died: for its clients the daemon is lost.
+            # Stopped because the supervisor died, not by its SIGTERM: for the clients, the daemon is lost.
             self.client_links.shut_down(DaemonLost(
                 f"the node daemon went away (its supervisor died) while this ran on worker {self.index}, which "
-                "stopped it; see the daemon's log, then submit again") if os.getppid() != self.supervisor_pid
-                else None)
+                "stopped it; see the daemon's log, then submit again") if self.supervisor_gone else None)
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -365,17 +371,20 @@ def _plain(details: dict[str, Any]) -> dict[str, Any]:
 
 
 PR_SET_PDEATHSIG = 1
+DEATH_SIGNAL = signal.SIGHUP
+"""What the kernel sends a worker when its supervisor dies: not SIGTERM, which the supervisor
+sends to stop it, so the worker can tell its clients which of the two happened."""
 
 
 def _die_with_parent() -> None:
-    """SIGTERM when the supervisor dies, even by SIGKILL, so no worker outlives it."""
+    """DEATH_SIGNAL when the supervisor dies, even by SIGKILL, so no worker outlives it."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError as e:
         log.warning("no C library to set PR_SET_PDEATHSIG (%s): this worker may outlive a killed supervisor, "
                     "whose `rolloutd node stop` still ends it", e)
         return
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+    if libc.prctl(PR_SET_PDEATHSIG, DEATH_SIGNAL) != 0:
         err = ctypes.get_errno()
         raise RolloutdError(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)} (errno {err})")
 
