@@ -32,7 +32,8 @@ from rolloutd.daemon.common.request_book import (
     salvage_id,
 )
 from rolloutd.native_io import framing
-from rolloutd.native_io.errors import BadRequest, PermissionDenied, RolloutdError, ShuttingDown
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.native_io.errors import BadRequest, DaemonLost, PermissionDenied, RolloutdError, ShuttingDown
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.wire import DIRECT_OPS, MsgType
 
@@ -48,14 +49,14 @@ Start = Callable[[str, dict[str, Any], list[Any], Answer], None]
 
 
 class ClientLinks:
-    def __init__(self, listener: socket.socket, *, allowed_uids: set[int], max_message_bytes: int,
-                 completed_ttl_s: float, start: Start, cancel: Callable[[str], None]) -> None:
+    def __init__(self, listener: socket.socket, *, allowed_uids: set[int], config: NodeConfig, start: Start,
+                 cancel: Callable[[str], None]) -> None:
         listener.setblocking(False)
         self.listener = listener
         self.allowed_uids = allowed_uids
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = config.max_message_bytes
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "duplicates": 0, "refused": 0, "links": 0}
-        self.book: RequestBook[Accepted] = RequestBook(_send, self.counters, completed_ttl_s)
+        self.book: RequestBook[Accepted] = RequestBook(_send, self.counters, config.completed_ttl_s)
         self._start = start
         self._cancel = cancel
         self._links: set[UnixLink] = set()
@@ -109,9 +110,13 @@ class ClientLinks:
     def forget_expired(self, now: float) -> None:
         self.book.forget_expired(now)
 
-    def shut_down(self, error: RolloutdError | None = None) -> None:
-        """Answer what is open (``error``, SHUTTING_DOWN by default), then close the links and the listener."""
-        error = error or ShuttingDown("the node daemon is shutting down; resubmit elsewhere")
+    def shut_down(self, *, supervisor_died: bool) -> None:
+        """Answer what is open, then close the links and the listener: SHUTTING_DOWN when the
+        supervisor asked for the stop, DAEMON_LOST when it died (for the clients, the daemon is lost)."""
+        error: RolloutdError = ShuttingDown("the node daemon is shutting down; resubmit elsewhere")
+        if supervisor_died:
+            error = DaemonLost("the node daemon went away (its supervisor died) while this ran; its worker stopped "
+                               "it. See the daemon's log, then submit again")
         for p in self.book:
             self.book.answer_error(p, error)
         self.loop.remove_reader(self.listener.fileno())

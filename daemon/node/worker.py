@@ -36,7 +36,7 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.sandbox.select import make_backend
 from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, ConfigError, DaemonLost, DuplicateRequest, RolloutdError
+from rolloutd.native_io.errors import Cancelled, ConfigError, DuplicateRequest, RolloutdError
 from rolloutd.native_io.trajectory import pack_batch
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.wire import (
@@ -79,8 +79,7 @@ class Worker:
         self.link_fd = link_fd
         self.link: UnixLink | None = None
         self.client_listener = clients
-        self.supervisor_gone = False
-        """Set when the supervisor died (its link closed, or DEATH_SIGNAL came), as opposed to a stop it asked for."""
+        self.supervisor_gone = False  # it died (its link closed, or DEATH_SIGNAL), not a stop it asked for
         self.client_links: ClientLinks | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
         self.default_spec = SandboxSpec(image=config.image, limits=config.sandbox_limits())
@@ -151,10 +150,8 @@ class Worker:
         await self.pool.start()
         await self._start_pipeline()
         if self.client_listener is not None:
-            self.client_links = ClientLinks(
-                self.client_listener.sock, allowed_uids=self.client_listener.allowed_uids,
-                max_message_bytes=self.config.max_message_bytes, completed_ttl_s=self.config.completed_ttl_s,
-                start=self.start_request, cancel=self.cancel)
+            self.client_links = ClientLinks(self.client_listener.sock, allowed_uids=self.client_listener.allowed_uids,
+                                            config=self.config, start=self.start_request, cancel=self.cancel)
         self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation,
                                   "census": self.backend.census_kind})
         loop = asyncio.get_running_loop()
@@ -171,10 +168,7 @@ class Worker:
 
     async def shutdown(self) -> None:
         if self.client_links is not None:
-            # Stopped because the supervisor died, not by its SIGTERM: for the clients, the daemon is lost.
-            self.client_links.shut_down(DaemonLost(
-                f"the node daemon went away (its supervisor died) while this ran on worker {self.index}, which "
-                "stopped it; see the daemon's log, then submit again") if self.supervisor_gone else None)
+            self.client_links.shut_down(supervisor_died=self.supervisor_gone)
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -214,8 +208,7 @@ class Worker:
 
     def start_request(self, rid: str, header: dict[str, Any], buffers: list[Any],
                       answer: Callable[[list[Any]], None]) -> None:
-        """Run a request in its own task; its one answer goes to ``answer`` (the supervisor, or a
-        client link)."""
+        """Run a request in its own task; its one answer goes to ``answer`` (supervisor or client link)."""
         if rid in self.tasks:  # the same id from the supervisor and a client link: run once
             _send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
             return
