@@ -47,6 +47,8 @@ from rolloutd.native_io.wire import (
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
 
+from .worker_links import WorkerLinks
+
 DEFAULT_TIMEOUT_S = 600.0
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 10000
@@ -139,11 +141,15 @@ class InferenceControl:
 
 class AsyncRolloutClient(InferenceControl):
     def __init__(self, address: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 arrays: str = "auto", curve: Any = None, client_name: str | None = None) -> None:
+                 arrays: str = "auto", curve: Any = None, client_name: str | None = None,
+                 worker_links: bool = True) -> None:
+        """``worker_links``: a sandbox's commands straight to its worker when the node offers it
+        (``worker_links.py``); False: all through the node."""
         self.address = address or default_address()
         self.client_name = client_name or uuid.uuid4().hex
         """Who asks, beside the key it proves: a router scopes request ids (and cancels) to it. Give
         a process that takes over another's work (a restarted trainer) the same name to collect it."""
+        self.worker_links = worker_links and self.address.startswith("ipc://")
         self.timeout_s = timeout_s
         self.array_transport = ("shm" if self.address.startswith("ipc://") else "frames") if arrays == "auto" else arrays
         self._curve = curve
@@ -158,6 +164,8 @@ class AsyncRolloutClient(InferenceControl):
         """How many submits of each id still wait for its result (an id submitted twice joins)."""
         self._held_segments: set[str] = set()
         self._segment_maps = shm.SegmentMaps()
+        self._links = WorkerLinks(self._on_message, self._lost)
+        """Straight to the worker holding a sandbox, for its commands (a client on the node)."""
         # Unique ids without a uuid4 per call: a random prefix per client and a counter.
         self._id_prefix = uuid.uuid4().hex[:16] + "-"
         self._ids = itertools.count()
@@ -187,6 +195,7 @@ class AsyncRolloutClient(InferenceControl):
                 self._send(MsgType.RELEASE, {"segments": sorted(self._held_segments)})
             self._held_segments.clear()
         self._segment_maps.clear()
+        self._links.close()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(Cancelled("client closed"))
@@ -232,7 +241,7 @@ class AsyncRolloutClient(InferenceControl):
                                               header.get("details")))
             return
         try:
-            fut.set_result(self._reply(header, buffers))
+            fut.set_result(_reply(header, buffers, self._segment_maps, self._held_segments))
         except RolloutdError as e:
             fut.set_exception(e)
 
@@ -250,27 +259,24 @@ class AsyncRolloutClient(InferenceControl):
             f"{self.address} refused this client: {reason}; its operator must add your public key "
             "(.key file) to the allowed-keys folder, and ROLLOUTD_CURVE_SERVER_KEY must be its key"))
 
+    def _lost(self, rid: str, error: RolloutdError) -> None:
+        fut = self._waiters.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_exception(error)
+
     def _fail_pending(self, error: Callable[[], RolloutdError]) -> None:
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(error())
 
-    def _reply(self, header: dict[str, Any], buffers: list[Any]) -> Reply:
-        refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs", [])]
-        shm_refs = [r for r in refs if r.segment is not None]
-        arrays = framing.arrays_from_frames([r for r in refs if r.segment is None], buffers)
-        segments = sorted({r.segment for r in shm_refs if r.segment})
-        if shm_refs:
-            arrays.update(self._segment_maps.map(shm_refs))
-            self._held_segments.update(segments)
-        return Reply(header.get("result") or {}, arrays, segments)
-
     async def request(self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
-                      request_id: str | None = None) -> Reply:
-        rid, fut = await self._start(op, args, request_id)
+                      request_id: str | None = None, link: str | None = None) -> Reply:
+        """``link``: a worker's socket to send it to instead (``worker_links``); the node otherwise."""
+        rid, fut = await self._start(op, args, request_id, link)
         return await self._wait(op, rid, fut, self.timeout_s if timeout_s is None else timeout_s)
 
-    async def _start(self, op: str, args: dict[str, Any] | None, request_id: str | None) -> tuple[str, asyncio.Future[Reply]]:
+    async def _start(self, op: str, args: dict[str, Any] | None, request_id: str | None,
+                     link: str | None = None) -> tuple[str, asyncio.Future[Reply]]:
         if self._sock is None:
             await self.connect()
         if self._events is not None:
@@ -281,8 +287,10 @@ class AsyncRolloutClient(InferenceControl):
             return rid, joined  # the same id in flight: one request, its one answer for every caller
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        self._send(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {}, "arrays": self.array_transport,
-                                     "client": self.client_name})
+        frames = framing.encode(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {},
+                                                  "arrays": self.array_transport, "client": self.client_name})
+        if link is None or not await self._links.send(link, rid, frames):
+            self._sock.send(frames)  # type: ignore[union-attr]  # connected above
         return rid, fut
 
     async def _wait(self, op: str, rid: str, fut: asyncio.Future[Reply], limit: float) -> Reply:
@@ -299,6 +307,7 @@ class AsyncRolloutClient(InferenceControl):
         finally:
             timer.cancel()
             self._waiters.pop(rid, None)
+            self._links.done(rid)
 
     # --- rollouts ----------------------------------------------------------------------------
 
@@ -363,8 +372,9 @@ class AsyncRolloutClient(InferenceControl):
         return RolloutResult(rid, trajectories, reply=reply)
 
     async def cancel(self, request_id: str) -> None:
-        if self._sock is not None:
-            self._send(MsgType.CANCEL, {"id": request_id, "client": self.client_name})
+        frames = framing.encode(MsgType.CANCEL, {"id": request_id, "client": self.client_name})
+        if self._sock is not None and not self._links.cancel(request_id, frames):
+            self._sock.send(frames)
 
     async def release(self, reply: "Reply | RolloutResult") -> None:
         """Done with the reply's arrays: their shared memory goes back to the daemon for reuse, so
@@ -387,6 +397,19 @@ class AsyncRolloutClient(InferenceControl):
         return AsyncSandbox(self, reply.result)
 
 
+def _reply(header: dict[str, Any], buffers: list[Any], maps: shm.SegmentMaps, held: set[str]) -> Reply:
+    """A REPLY's result and arrays: raw frames, or mapped from shared memory (whose segments
+    join ``held`` until released)."""
+    refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs", [])]
+    shm_refs = [r for r in refs if r.segment is not None]
+    arrays = framing.arrays_from_frames([r for r in refs if r.segment is None], buffers)
+    segments = sorted({r.segment for r in shm_refs if r.segment})
+    if shm_refs:
+        arrays.update(maps.map(shm_refs))
+        held.update(segments)
+    return Reply(header.get("result") or {}, arrays, segments)
+
+
 class _Expired(Exception):
     pass
 
@@ -404,18 +427,21 @@ class AsyncSandbox:
         self.id: str = info["sandbox_id"]
         self.info = info
         self.closed = False
+        self._link: str | None = info.get("link") if client.worker_links else None
+        """The socket of the worker that holds it (a client on the node): its commands go there."""
 
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
         # The call's own deadline leaves the daemon time to interrupt the command and answer.
         wait = None if timeout_s is None else timeout_s + 15.0
         reply = await self.client.request("sandbox.run", {"sandbox_id": self.id, "command": command,
-                                                          "timeout_s": timeout_s}, timeout_s=wait)
+                                                          "timeout_s": timeout_s}, timeout_s=wait, link=self._link)
         return CommandResult(**reply.result)
 
     async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
         wait = None if timeout_s is None else timeout_s + 15.0
         reply = await self.client.request("sandbox.ipython", {"sandbox_id": self.id, "code": code,
-                                                              "timeout_s": timeout_s}, timeout_s=wait)
+                                                              "timeout_s": timeout_s}, timeout_s=wait,
+                                          link=self._link)
         return ExecuteResult(**reply.result)
 
     async def close(self) -> None:

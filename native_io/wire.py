@@ -9,6 +9,7 @@ accepted id exactly once, with REPLY ``{"v", "id", "result", "refs"}`` or ERROR
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -195,6 +196,10 @@ OPS: dict[str, type] = {
 PINNED_OPS = frozenset({"sandbox.run", "sandbox.ipython", "sandbox.close"})
 """Ops that must go to the worker that owns ``args["sandbox_id"]``."""
 
+DIRECT_OPS = frozenset({"sandbox.run", "sandbox.ipython"})
+"""Ops a client on the node may send straight to that worker, on the link ``sandbox.open`` names
+(``daemon/node/client_links.py``); the lease itself (open, close) always goes to the node."""
+
 BROADCAST_OPS = frozenset({"inference.add_server", "inference.remove_server", "inference.set_weight_version",
                            "inference.pause", "inference.resume"})
 """Ops every worker must apply (each runs its own inference pool); answered once all have."""
@@ -376,43 +381,71 @@ def from_fields(cls: type, data: Any, *, where: str) -> Any:
     return cls(**{name: _check(hints[name], value, f"{where}.{name}") for name, value in data.items()})
 
 
-def _check(tp: Any, value: Any, where: str) -> Any:
+@functools.cache
+def _kind(tp: Any) -> tuple[str, tuple[Any, ...]]:
+    """What ``_check`` does for type ``tp``, worked out once per type: ``typing``'s introspection
+    costs more than the checks themselves, and every request is checked on the node."""
     origin = typing.get_origin(tp)
     if tp is Any:
-        return value
+        return "any", ()
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
+        return "union", typing.get_args(tp)
+    if tp is type(None):
+        return "none", ()
+    if origin is Literal:
+        return "literal", typing.get_args(tp)
+    if origin is list:
+        return "list", typing.get_args(tp)
+    if origin is dict:
+        return "dict", typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return "dataclass", ()
+    if tp is float:
+        return "float", ()
+    if tp is int:
+        return "int", ()
+    return "type", ()
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    kind, args = _kind(tp)
+    if kind == "any":
+        return value
+    if kind == "union":
+        if value is None and type(None) in args:
+            return None
+        for option in args:
             try:
                 return _check(option, value, where)
             except BadRequest:
                 continue
         raise BadRequest(f"{where}: {value!r} is not a valid {tp}")
-    if tp is type(None):
+    if kind == "none":
         if value is None:
             return None
         raise BadRequest(f"{where}: expected null")
-    if origin is Literal:
-        if value in typing.get_args(tp):
+    if kind == "literal":
+        if value in args:
             return value
-        raise BadRequest(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
-    if origin is list:
+        raise BadRequest(f"{where}: {value!r} is not one of {list(args)}")
+    if kind == "list":
         if not isinstance(value, list):
             raise BadRequest(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
+        (item,) = args
         return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if kind == "dict":
         if not isinstance(value, dict):
             raise BadRequest(f"{where}: expected a map, got {type(value).__name__}")
-        k_tp, v_tp = typing.get_args(tp)
+        k_tp, v_tp = args
         return {_check(k_tp, k, where): _check(v_tp, v, f"{where}[{k!r}]") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return from_fields(tp, value, where=where)  # type: ignore[arg-type]
-    if tp is float:
+    if kind == "dataclass":
+        return from_fields(tp, value, where=where)
+    if kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):  # NaN compares false with every limit: it would mean none
                 raise BadRequest(f"{where}: must be a finite number, got {value!r}")
             return float(value)
-    elif tp is int:
+    elif kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
@@ -420,5 +453,29 @@ def _check(tp: Any, value: Any, where: str) -> Any:
     raise BadRequest(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r:.60}")
 
 
+_SCALARS = (str, int, float, bool, type(None), bytes)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def to_fields(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+    """``dataclasses.asdict(obj)``, at a fraction of its cost for the flat records that most
+    answers are (it deep-copies every value through several calls)."""
+    return {name: _plain(getattr(obj, name)) for name in _field_names(type(obj))}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_fields(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return copy.deepcopy(value)  # as asdict does with what it does not know

@@ -64,3 +64,33 @@ def test_socket_opened_up_by_mistake_still_refuses_other_users(short_tmp: Path) 
         out = _as_other_user(RAW_CLIENT, address)
         assert out.startswith("3 PERMISSION_DENIED"), out
         assert str(pwd.getpwnam(USER).pw_uid) in out
+
+
+RAW_LINK_CLIENT = """
+import socket, struct, sys, msgpack
+frames = [b"\\x01", msgpack.packb({"v": 1, "id": "x", "op": "sandbox.run", "args": {"sandbox_id": "s", "command": "id"}})]
+s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])
+try:  # the worker may have refused and closed already
+    s.sendall(struct.pack("<I", 2) + b"".join(struct.pack("<Q", len(f)) for f in frames) + b"".join(frames))
+except (BrokenPipeError, ConnectionResetError):
+    pass
+data = b""
+while len(data) < 20 or len(data) < 20 + sum(struct.unpack_from("<2Q", data, 4)):
+    chunk = s.recv(65536)
+    if not chunk:
+        print("CLOSED WITHOUT AN ANSWER", data); sys.exit(0)
+    data += chunk
+n1, n2 = struct.unpack_from("<2Q", data, 4)
+print(data[20], msgpack.unpackb(data[20 + n1:20 + n1 + n2], raw=False).get("code"))
+"""
+
+
+def test_worker_link_opened_up_by_mistake_still_refuses_other_users(short_tmp: Path) -> None:
+    os.chmod(short_tmp, 0o755)
+    run_dir = short_tmp / "rd"
+    with node_daemon(run_dir, "--backend", "local", "--workers", "1", "--warm", "0"):
+        (link,) = run_dir.glob("w0-*.sock")
+        os.chmod(run_dir, 0o755)
+        os.chmod(link, 0o666)
+        out = _as_other_user(RAW_LINK_CLIENT, str(link))
+        assert out == "3 PERMISSION_DENIED", out

@@ -21,6 +21,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,14 @@ import numpy as np
 import psutil
 import uvloop
 
+from rolloutd.daemon.node.client_links import ClientLinks
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.sandbox.select import make_backend
 from rolloutd.native_io import framing, shm
-from rolloutd.native_io.errors import Cancelled, ConfigError, RolloutdError
+from rolloutd.native_io.errors import Cancelled, ConfigError, DuplicateRequest, RolloutdError
 from rolloutd.native_io.trajectory import pack_batch
 from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.wire import (
@@ -56,16 +58,29 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any, dict[str, Any]], Awaitable[tuple[dict[str, Any], dict[str, np.ndarray]]]]
 
 
+@dataclass
+class ClientListener:
+    """The listening socket the supervisor bound for this worker's client links."""
+
+    sock: socket.socket
+    path: Path
+    allowed_uids: set[int]
+
+
 class Worker:
     def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, link_fd: int,
-                 shm_prefix: str) -> None:
-        """``shm_prefix`` names this worker's shared-memory segments (the supervisor's scheme)."""
+                 shm_prefix: str, clients: ClientListener | None = None) -> None:
+        """``shm_prefix`` names this worker's shared-memory segments (the supervisor's scheme);
+        ``clients``: the socket the supervisor bound for this worker's client links, if any."""
         self.config = config
         self.index = index
         self.generation = generation
         self.state_dir = state_dir
         self.link_fd = link_fd
         self.link: UnixLink | None = None
+        self.client_listener = clients
+        self.supervisor_gone = False  # it died (its link closed, or DEATH_SIGNAL), not a stop it asked for
+        self.client_links: ClientLinks | None = None
         self.backend: SandboxBackend = make_backend(config.backend, state_dir)
         self.default_spec = SandboxSpec(image=config.image, limits=config.sandbox_limits())
         self.pool = WarmPool(
@@ -97,9 +112,12 @@ class Worker:
     # --- plumbing --------------------------------------------------------------------------
 
     def send(self, msg_type: MsgType, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
+        self._to_supervisor(framing.encode(msg_type, header, buffers))
+
+    def _to_supervisor(self, frames: list[Any]) -> None:
         assert self.link is not None
         if not self.link.closed:  # the supervisor is gone; PDEATHSIG stops us
-            self.link.send(framing.encode(msg_type, header, buffers))
+            self.link.send(frames)
 
     async def _start_pipeline(self) -> None:
         from rolloutd.daemon.inference import ServerPool
@@ -123,14 +141,23 @@ class Worker:
 
     async def serve(self) -> None:
         stopping = asyncio.Event()
-        self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=stopping.set)
+
+        def supervisor_died() -> None:
+            self.supervisor_gone = True
+            stopping.set()
+
+        self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=supervisor_died)
         await self.pool.start()
         await self._start_pipeline()
+        if self.client_listener is not None:
+            self.client_links = ClientLinks(self.client_listener.sock, allowed_uids=self.client_listener.allowed_uids,
+                                            config=self.config, start=self.start_request, cancel=self.cancel)
         self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation,
                                   "census": self.backend.census_kind})
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(DEATH_SIGNAL, supervisor_died)
         try:
             async with asyncio.TaskGroup() as tg:
                 stats = tg.create_task(self._stats_loop())
@@ -140,6 +167,8 @@ class Worker:
             await self.shutdown()
 
     async def shutdown(self) -> None:
+        if self.client_links is not None:
+            self.client_links.shut_down(supervisor_died=self.supervisor_gone)
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -168,22 +197,34 @@ class Worker:
             return
         rid = header.get("id", "")
         if msg_type == MsgType.CANCEL:
-            task = self.tasks.get(rid)
-            if task is not None:
-                task.cancel(msg="cancelled by the client")
+            self.cancel(rid)
             return
-        task = asyncio.get_running_loop().create_task(self._handle(rid, header, buffers))
-        self.tasks[rid] = task
-        task.add_done_callback(functools.partial(self._finished, rid))
+        self.start_request(rid, header, buffers, self._to_supervisor)
 
-    def _finished(self, rid: str, task: asyncio.Task[None]) -> None:
+    def cancel(self, rid: str) -> None:
+        task = self.tasks.get(rid)
+        if task is not None:
+            task.cancel(msg="cancelled by the client")
+
+    def start_request(self, rid: str, header: dict[str, Any], buffers: list[Any],
+                      answer: Callable[[list[Any]], None]) -> None:
+        """Run a request in its own task; its one answer goes to ``answer`` (supervisor or client link)."""
+        if rid in self.tasks:  # the same id from the supervisor and a client link: run once
+            _send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
+            return
+        task = asyncio.get_running_loop().create_task(self._handle(rid, header, buffers, answer))
+        self.tasks[rid] = task
+        task.add_done_callback(functools.partial(self._finished, rid, answer))
+
+    def _finished(self, rid: str, answer: Callable[[list[Any]], None], task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
         if task.cancelled():
             # Cancelled before its first step (the CANCEL came in the same read as the request):
             # _handle never ran, so the request's one answer is given here.
-            self._send_error(rid, Cancelled(f"request {rid} was cancelled before it started"))
+            _send_error(answer, rid, Cancelled(f"request {rid} was cancelled before it started"))
 
-    async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any]) -> None:
+    async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any],
+                      answer: Callable[[list[Any]], None]) -> None:
         # Pinned ops are never re-dispatched anyway; a rollout is "started" only once a sample enters
         # its first stage, so rollouts still queued here are re-dispatched if this worker dies.
         if header.get("op") not in PINNED_OPS and header.get("op") != "rollout":
@@ -198,24 +239,26 @@ class Worker:
                     refs = self.arena.write(arrays)
                 else:
                     refs, bufs = framing.arrays_to_frames(arrays)
-            self.send(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]}, bufs)
+            answer(framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]},
+                                  bufs))
         except asyncio.CancelledError:
-            self._send_error(rid, Cancelled(f"request {rid} was cancelled"))
+            _send_error(answer, rid, Cancelled(f"request {rid} was cancelled"))
         except RolloutdError as e:
-            self._send_error(rid, e)
+            _send_error(answer, rid, e)
         except Exception as e:  # a bug must still answer the request
             log.exception("worker %d: request %s failed", self.index, rid)
-            self._send_error(rid, RolloutdError(f"internal error in worker {self.index}: {e!r}"))
-
-    def _send_error(self, rid: str, e: RolloutdError) -> None:
-        self.send(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": _plain(e.details)})
+            _send_error(answer, rid, RolloutdError(f"internal error in worker {self.index}: {e!r}"))
 
     async def _stats_loop(self) -> None:
         proc = psutil.Process()
         while True:
             self.arena.trim()
+            if self.client_links is not None:
+                self.client_links.forget_expired(time.monotonic())
             stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks), "rss_bytes": proc.memory_info().rss,
                      "pid": os.getpid(), "shm_arena": self.arena.stats()}
+            if self.client_links is not None:
+                stats["client_links"] = dict(self.client_links.counters)
             for extra in self.extra_stats:
                 stats.update(extra())
             self.send(MsgType.STATS, {"index": self.index, "stats": stats})
@@ -228,8 +271,13 @@ class Worker:
                            limits=self.default_spec.limits)
         lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
         sb = lease.sandbox
-        return {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
-                "workspace": sb.workspace_inside, "ipython": lease.offers_ipython}, {}
+        result = {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
+                  "workspace": sb.workspace_inside, "ipython": lease.offers_ipython}
+        # Only a client that shares this node's memory (the supervisor makes every other one
+        # take arrays as frames) is on this node and can reach the link's socket.
+        if self.client_listener is not None and header.get("arrays") == "shm":
+            result["link"] = str(self.client_listener.path)
+        return result, {}
 
     async def _sandbox_run(self, args: SandboxRunArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         result = await self.pool.get(args.sandbox_id).run(args.command, timeout_s=args.timeout_s)
@@ -252,21 +300,7 @@ class Worker:
 
     async def _inference_op(self, args: Any, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         assert self.pipeline is not None
-        pool, op = self.pipeline.inference, header["op"]
-        if op == "inference.add_server":
-            if args.address.startswith("vllm-inprocess:"):
-                raise ConfigError("an in-process vLLM engine is given when the node starts "
-                                  "(--inference-server vllm-inprocess:MODEL), so that all workers share one")
-            await pool.add_server(args.address, api_key=args.api_key or None)
-        elif op == "inference.remove_server":
-            await pool.remove_server(args.address)
-        elif op == "inference.set_weight_version":
-            await pool.set_weight_version(args.version)
-        elif op == "inference.pause":
-            await pool.pause_all(args.mode)
-        else:
-            await pool.resume_all()
-        return {"servers": pool.status().get("servers", [])}, {}
+        return await apply_inference_op(self.pipeline.inference, header["op"], args), {}
 
     async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         per = max(1, args.n_tokens // max(1, args.n_trajectories))
@@ -299,6 +333,28 @@ def _synthetic_batch(per: int, n: int) -> dict[str, np.ndarray]:
     }
 
 
+async def apply_inference_op(pool: Any, op: str, args: Any) -> dict[str, Any]:
+    """One of the node's broadcast inference ops on this worker's server pool."""
+    if op == "inference.add_server":
+        if args.address.startswith("vllm-inprocess:"):
+            raise ConfigError("an in-process vLLM engine is given when the node starts "
+                              "(--inference-server vllm-inprocess:MODEL), so that all workers share one")
+        await pool.add_server(args.address, api_key=args.api_key or None)
+    elif op == "inference.remove_server":
+        await pool.remove_server(args.address)
+    elif op == "inference.set_weight_version":
+        await pool.set_weight_version(args.version)
+    elif op == "inference.pause":
+        await pool.pause_all(args.mode)
+    else:
+        await pool.resume_all()
+    return {"servers": pool.status().get("servers", [])}
+
+
+def _send_error(answer: Callable[[list[Any]], None], rid: str, e: RolloutdError) -> None:
+    answer(framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": _plain(e.details)}))
+
+
 def _plain(details: dict[str, Any]) -> dict[str, Any]:
     """Details as msgpack-able values (anything else becomes its repr)."""
     out = {}
@@ -308,17 +364,20 @@ def _plain(details: dict[str, Any]) -> dict[str, Any]:
 
 
 PR_SET_PDEATHSIG = 1
+DEATH_SIGNAL = signal.SIGHUP
+"""What the kernel sends a worker when its supervisor dies: not SIGTERM, which the supervisor
+sends to stop it, so the worker can tell its clients which of the two happened."""
 
 
 def _die_with_parent() -> None:
-    """SIGTERM when the supervisor dies, even by SIGKILL, so no worker outlives it."""
+    """DEATH_SIGNAL when the supervisor dies, even by SIGKILL, so no worker outlives it."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError as e:
         log.warning("no C library to set PR_SET_PDEATHSIG (%s): this worker may outlive a killed supervisor, "
                     "whose `rolloutd node stop` still ends it", e)
         return
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+    if libc.prctl(PR_SET_PDEATHSIG, DEATH_SIGNAL) != 0:
         err = ctypes.get_errno()
         raise RolloutdError(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)} (errno {err})")
 
@@ -330,11 +389,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-fd", type=int, required=True, help="the supervisor's end of a socketpair")
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--shm-prefix", required=True, help="prefix of this worker's shared-memory segment names")
+    p.add_argument("--client-fd", type=int, help="a listening Unix socket for client links (client_links.py)")
+    p.add_argument("--client-path", type=Path, help="where that socket is bound (told to clients)")
+    p.add_argument("--client-uids", default="", help="comma-separated uids allowed on client links")
     args = p.parse_args(argv)
     config = NodeConfig.from_json(os.environ.pop("ROLLOUTD_NODE_CONFIG_JSON"))  # sandboxes never inherit it
     logging.basicConfig(level=config.log_level, format=f"%(asctime)s w{args.index} %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
-    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix)
+    clients = None
+    if args.client_fd is not None:
+        clients = ClientListener(socket.socket(fileno=args.client_fd), args.client_path,
+                                 {int(u) for u in args.client_uids.split(",") if u})
+    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix, clients)
     t0 = time.monotonic()
     uvloop.run(worker.serve())
     log.info("worker %d stopped after %.1f s", args.index, time.monotonic() - t0)

@@ -32,6 +32,9 @@ STABLE_RUN_S = 30.0
 """A worker that ran this long before dying restarts after the configured delay again."""
 IMPORT_PROBE_TIMEOUT_S = 120.0
 READY_POLL_S = 0.05
+UNIX_PATH_MAX = 108
+"""sun_path's size on Linux, its terminating NUL included."""
+LISTEN_BACKLOG = 128
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Workers:
         self.stopping = False
         self.memory_cgroup: Path | None = None
         """The memory cgroup folder handed to the sandbox user's workers (a root daemon's)."""
+        self.client_uids = {os.getuid(), 0}
+        """Who may connect to the workers' client links (as to the node's own socket)."""
         self._on_message = on_message
         self._on_died = on_died
         self._counters = counters
@@ -140,21 +145,30 @@ class Workers:
                 # cache is named, not found through $HOME.
                 env.update(HOME=str(state), ROLLOUTD_CACHE_DIR=str(cache_dir()))
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            clients_path = self.config.run_path / f"w{w.index}-{w.generation}.sock"
+            clients = bind_client_listener(clients_path)
+            argv = [sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
+                    "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
+                    "--state-dir", str(state), "--shm-prefix", self.shm_prefix_of(w)]
+            fds = [theirs.fileno()]
+            if clients is not None:
+                argv += ["--client-fd", str(clients.fileno()), "--client-path", str(clients_path),
+                         "--client-uids", ",".join(map(str, sorted(self.client_uids)))]
+                fds.append(clients.fileno())
             try:
                 w.proc = await asyncio.create_subprocess_exec(
-                    *self._as_workers_user([
-                        sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
-                        "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
-                        "--state-dir", str(state), "--shm-prefix", self.shm_prefix_of(w)]),
-                    env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),), cwd="/",
-                )
+                    *self._as_workers_user(argv), env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=fds, cwd="/")
             finally:
                 theirs.close()
+                if clients is not None:
+                    clients.close()  # the worker's now: its death closes the socket for every client
             w.link = UnixLink(ours, lambda frames, w=w: self._on_message(w, frames))
             started = time.monotonic()
             code = await w.proc.wait()
             w.ready = False
             w.link.close()
+            with contextlib.suppress(FileNotFoundError):
+                clients_path.unlink()
             if self.stopping:
                 return
             log.error("worker %d (pid %d) exited with %s; restarting", w.index, w.proc.pid, code)
@@ -187,3 +201,21 @@ class Workers:
         return [{"index": w.index, "pid": w.proc.pid if w.proc else None, "ready": w.ready,
                  "generation": w.generation, "in_flight": len(w.in_flight),
                  **{k: v for k, v in w.stats.items() if k != "pid"}} for w in self.handles.values()]
+
+
+def bind_client_listener(path: Path) -> socket.socket | None:
+    """A listening socket at ``path`` (owner only) for a worker's client links; None when the path
+    is too long for a Unix socket: clients then send everything through the supervisor."""
+    if len(os.fsencode(path)) >= UNIX_PATH_MAX:
+        log.warning("no direct client links: %s is longer than a Unix socket path may be", path)
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(LISTEN_BACKLOG)
+    return sock

@@ -1,0 +1,95 @@
+"""A sandbox's commands on the link to the worker that holds it (daemon/node/client_links.py,
+client/worker_links.py): only for a client on the node, exactly once, only the commands of a
+lease, and every pending command answered when the node stops."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from daemon_fixtures import CLI, node_daemon
+from support.waits import async_poll
+from rolloutd.client.async_client import AsyncRolloutClient
+from rolloutd.native_io.errors import ShuttingDown
+
+STATS_TIMEOUT_S = 5.0
+"""Workers report their counters once a second."""
+RAW_TIMEOUT_S = 10.0
+
+
+def raw_exchange(path: str, frames: list[bytes]) -> dict:
+    """One message on a worker link in its own framing (unix_link.py), and the header of the answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(RAW_TIMEOUT_S)
+        s.connect(path)
+        s.sendall(struct.pack("<I", len(frames)) + b"".join(struct.pack("<Q", len(f)) for f in frames)
+                  + b"".join(frames))
+        data = b""
+        while True:
+            chunk = s.recv(1 << 16)
+            assert chunk, "the worker closed the link without an answer"
+            data += chunk
+            if len(data) >= 4:
+                (count,) = struct.unpack_from("<I", data)
+                lens = struct.unpack_from(f"<{count}Q", data, 4) if len(data) >= 4 + 8 * count else None
+                if lens is not None and len(data) >= 4 + 8 * count + sum(lens):
+                    break
+        head = 4 + 8 * count
+        return msgpack.unpackb(data[head + lens[0]: head + lens[0] + lens[1]], raw=False)
+
+
+async def test_commands_go_on_the_link_exactly_once(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        async with AsyncRolloutClient(address) as c:
+            async with await c.open_sandbox(ipython=False) as sb:
+                link = sb.info["link"]
+                assert Path(link).parent == short_tmp and (Path(link).stat().st_mode & 0o777) == 0o600
+                assert (await sb.run("echo hi")).output == "hi\n"
+                # One id asked by two clients while it runs, and once more after: one run, one
+                # answer for all (a client joins its own repeats itself: two clients reach the link).
+                args = {"sandbox_id": sb.id, "command": "sleep 0.5; echo x >> n; wc -l < n", "timeout_s": 30}
+                async with AsyncRolloutClient(address) as other:
+                    first, second = await asyncio.gather(
+                        c.request("sandbox.run", args, request_id="once", link=link),
+                        other.request("sandbox.run", args, request_id="once", link=link))
+                again = await c.request("sandbox.run", args, request_id="once", link=link)
+                assert first.result["output"] == second.result["output"] == again.result["output"] == "1\n"
+                assert (await sb.run("wc -l < n")).output == "1\n"
+                # The link's own book: three commands accepted, the two repeats joined or answered again.
+                await async_poll(c.status, lambda st: st["workers"][0]["client_links"]["duplicates"] == 2,
+                                 STATS_TIMEOUT_S, "the worker's report of the two repeats")
+                assert (await c.status())["workers"][0]["client_links"]["requests"] == 3
+                # A link carries a lease's commands only; anything else goes to the node.
+                for op, args in (("sandbox.open", {}), ("status", {})):
+                    header = raw_exchange(link, [b"\x01", msgpack.packb({"v": 1, "id": "x", "op": op, "args": args})])
+                    assert header["code"] == "BAD_REQUEST" and "node's socket" in header["message"], header
+                header = raw_exchange(link, [b"\x01", b"\xc1"])  # not msgpack
+                assert header["code"] == "BAD_REQUEST", header
+                assert (await sb.run("echo still")).output == "still\n"
+
+
+async def test_no_link_for_a_client_that_takes_arrays_as_frames(short_tmp: Path) -> None:
+    """Such a client may be on another host (the node makes every TCP and router client one)."""
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        async with AsyncRolloutClient(address, arrays="frames") as c:
+            async with await c.open_sandbox(ipython=False) as sb:
+                assert "link" not in sb.info
+                assert (await sb.run("echo hi")).output == "hi\n"
+
+
+async def test_a_stopping_node_answers_what_runs_on_links(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1", stop_rung=None) as address:
+        async with AsyncRolloutClient(address) as c:
+            sb = await c.open_sandbox(ipython=False)
+            running = asyncio.ensure_future(sb.run("sleep 30"))
+            await async_poll(c.status, lambda st: st["workers"][0]["in_flight"] == 1, STATS_TIMEOUT_S,
+                             "the command running on the worker")
+            stop = await asyncio.create_subprocess_exec(*CLI, "node", "stop", "--run-dir", str(short_tmp))
+            with pytest.raises(ShuttingDown):
+                await asyncio.wait_for(running, 30)
+            assert await asyncio.wait_for(stop.wait(), 60) == 0
