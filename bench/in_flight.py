@@ -55,8 +55,9 @@ TASK_ID = "scale-hold"
 BARRIER = "barrier"
 HOLD_TIMEOUT_S = 1800.0
 """How long a rollout's first tool call may wait on the barrier (ramps of 1,000 take minutes here)."""
-RAMP_TIMEOUT_S = 1500.0
-"""How long the bench waits for all N rollouts of a level to be held."""
+LIMIT_S = 1500.0
+"""How long the bench waits for each step of a level (all held, all answered, idle again);
+``--limit-s`` sets it."""
 POLL_S = 0.5
 PROGRESS_S = 10.0
 TARGET_IN_FLIGHT = 1000
@@ -177,25 +178,25 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-async def wait_idle(client: AsyncRolloutClient, warm: int) -> dict[str, Any]:
+async def wait_idle(client: AsyncRolloutClient, warm: int, limit_s: float) -> dict[str, Any]:
     """The node with no request and its warm pool full (the idle baseline's state)."""
-    deadline = time.monotonic() + RAMP_TIMEOUT_S
+    deadline = time.monotonic() + limit_s
     while True:
         st = await client.status()
         if st["in_flight"] == 0 and st["sandboxes"]["ready"] >= warm and not st["sandboxes"]["starting"]:
             return st
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the node was not idle with {warm} warm sandboxes within {RAMP_TIMEOUT_S} s: {st}")
+            raise TimeoutError(f"the node was not idle with {warm} warm sandboxes within {limit_s} s: {st}")
         await asyncio.sleep(POLL_S)
 
 
-async def ramp(client: AsyncRolloutClient, n: int, barrier_inside: str, t0: float) -> int:
+async def ramp(client: AsyncRolloutClient, n: int, barrier_inside: str, t0: float, limit_s: float) -> int:
     """Until all ``n`` rollouts wait on the barrier (their run-stage slots taken and their
     ``flock`` running: a slot alone may still be waiting for its first model turn), or
-    RAMP_TIMEOUT_S; the run-stage slots then in use."""
+    ``limit_s``; the run-stage slots then in use."""
     held = on_host = 0
     shown = t0
-    while time.monotonic() < t0 + RAMP_TIMEOUT_S:
+    while time.monotonic() < t0 + limit_s:
         await asyncio.sleep(POLL_S)
         status = await client.status()
         held = run_stage_in_use(status)
@@ -211,12 +212,13 @@ async def ramp(client: AsyncRolloutClient, n: int, barrier_inside: str, t0: floa
 
 
 async def level(client: AsyncRolloutClient, n: int, barrier_paths: list[Path], barrier_inside: str,
-                idle: Footprint, start: int) -> dict[str, Any]:
+                idle: Footprint, start: int, warm: int, limit_s: float) -> dict[str, Any]:
+    """One level: N rollouts submitted at once, held, measured, released, answered, cleaned up."""
     with barrier_lock(barrier_paths) as fds:
         st = await client.status()
         cpu0, t0 = daemon_cpu_s(st), time.monotonic()
         ids = await client.submit([request(start + i) for i in range(n)])
-        held = await ramp(client, n, barrier_inside, t0)
+        held = await ramp(client, n, barrier_inside, t0, limit_s)
         ramp_s = time.monotonic() - t0
         peak_flock = await asyncio.to_thread(held_on_host, barrier_inside)
         peak = await asyncio.to_thread(footprint, st["pid"])
@@ -224,7 +226,7 @@ async def level(client: AsyncRolloutClient, n: int, barrier_paths: list[Path], b
         release(fds)
         t1 = time.monotonic()
         completed, lost_reasons, intervals, turns = 0, {}, [], 0
-        async for result in client.as_completed(ids, timeout_s=RAMP_TIMEOUT_S):
+        async for result in client.as_completed(ids, timeout_s=limit_s):
             if result.error is not None:
                 lost_reasons[result.error.code] = lost_reasons.get(result.error.code, 0) + 1
                 continue
@@ -240,9 +242,12 @@ async def level(client: AsyncRolloutClient, n: int, barrier_paths: list[Path], b
                     intervals.append((events[0][2], events[-1][2]))
             await client.release(result)
         drain_s = time.monotonic() - t1
-        cpu = daemon_cpu_s(await client.status()) - cpu0
+    # Every sandbox destroyed and the warm pool full again: the rest of a rollout's cost.
+    t2 = time.monotonic()
+    cpu = daemon_cpu_s(await wait_idle(client, warm, limit_s)) - cpu0
+    settle_s = time.monotonic() - t2
     return {"n": n, "held_run_stage": held, "held_flock": peak_flock, "in_flight_exact": max_overlap(intervals),
-            "ramp_s": ramp_s, "drain_s": drain_s, "completed": completed, "lost": n - completed,
+            "ramp_s": ramp_s, "drain_s": drain_s, "settle_s": settle_s, "completed": completed, "lost": n - completed,
             "lost_reasons": lost_reasons, "rss_mb_per_rollout": (peak.rss_mb - idle.rss_mb) / max(1, held),
             "pss_mb_per_rollout": (peak.pss_mb - idle.pss_mb) / max(1, held), "peak_rss_mb": peak.rss_mb,
             "peak_pss_mb": peak.pss_mb, "peak_processes": peak.processes, "peak_fds": peak.fds,
@@ -251,19 +256,19 @@ async def level(client: AsyncRolloutClient, n: int, barrier_paths: list[Path], b
 
 
 async def measure(address: str, levels: list[int], warm: int, barrier_paths: list[Path],
-                  barrier_inside: str) -> tuple[Footprint, list[dict[str, Any]]]:
+                  barrier_inside: str, limit_s: float) -> tuple[Footprint, list[dict[str, Any]]]:
     out = []
     async with AsyncRolloutClient(address) as client:
-        idle_status = await wait_idle(client, warm)
+        idle_status = await wait_idle(client, warm, limit_s)
         idle = await asyncio.to_thread(footprint, idle_status["pid"])
         start = 0
         for n in levels:
-            await wait_idle(client, warm)
-            out.append(await level(client, n, barrier_paths, barrier_inside, idle, start))
+            out.append(await level(client, n, barrier_paths, barrier_inside, idle, start, warm, limit_s))
             start += n
             r = out[-1]
             print(f"level {n}: held {r['held_run_stage']} (flock {r['held_flock']}, exact {r['in_flight_exact']}) "
-                  f"in {r['ramp_s']:.1f} s, {r['completed']} completed, lost {r['lost']} {r['lost_reasons']}",
+                  f"in {r['ramp_s']:.1f} s, {r['completed']} completed, lost {r['lost']} {r['lost_reasons']}; "
+                  f"answered in {r['drain_s']:.1f} s, idle again {r['settle_s']:.1f} s later",
                   flush=True)
     return idle, out
 
@@ -274,10 +279,12 @@ def main() -> int:
     parser = standard_args(__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["local", "apptainer"], default="local")
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
-                        help="in-flight counts to run, comma-separated (default 100,300,1000; --quick 50,200)")
+                        help="in-flight counts to run, comma-separated (default 50,100,300,1000; --quick 100,1000)")
+    parser.add_argument("--limit-s", type=float, default=LIMIT_S,
+                        help="seconds each step of a level may take (all held, all answered, idle again)")
     parser.add_argument("--plot", type=Path, help="write a PNG of CPU per rollout and memory per rollout vs in flight")
     args = parser.parse_args()
-    levels = args.levels or ([50, 200] if args.quick else [100, 300, TARGET_IN_FLIGHT])
+    levels = args.levels or ([100, TARGET_IN_FLIGHT] if args.quick else [50, 100, 300, TARGET_IN_FLIGHT])
     workers, warm_each = 2, 4
     work = Path(tempfile.mkdtemp(prefix="rld-if-"))
     work.chmod(0o755)  # the sandbox user reads the barrier here (local backend)
@@ -298,7 +305,8 @@ def main() -> int:
         with node_daemon(run_dir, "--backend", args.backend, "--workers", str(workers), "--warm", str(warm_each),
                          "--inference-server", url, env=env) as address:
             # The barrier files go where the workers made their shared folders.
-            idle, rows = asyncio.run(measure(address, levels, workers * warm_each, barrier_paths, barrier_inside))
+            idle, rows = asyncio.run(measure(address, levels, workers * warm_each, barrier_paths, barrier_inside,
+                                         args.limit_s))
     top_row = max(rows, key=lambda r: r["n"])
     results: dict[str, Any] = {
         "backend": args.backend, "workers": workers, "levels": levels,
@@ -309,15 +317,15 @@ def main() -> int:
     }
     print_table(f"Rollouts held in flight on one node ({args.backend} sandboxes, {workers} workers, scripted "
                 f"reference policy; idle node {idle.rss_mb:.0f} MB RSS, {idle.pss_mb:.0f} MB PSS)",
-                ["in flight", "held (run stage / flock / exact)", "ramp s", "drain s", "lost", "RSS MB/rollout",
+                ["in flight", "held (run stage / flock / exact)", "ramp s", "drain s", "settle s", "lost", "RSS MB/rollout",
                  "PSS MB/rollout", "processes", "fds", "daemon CPU ms/rollout"],
                 [[r["n"], f"{r['held_run_stage']} / {r['held_flock']} / {r['in_flight_exact']}", r["ramp_s"],
-                  r["drain_s"], r["lost"], r["rss_mb_per_rollout"], r["pss_mb_per_rollout"], r["peak_processes"],
+                  r["drain_s"], r["settle_s"], r["lost"], r["rss_mb_per_rollout"], r["pss_mb_per_rollout"], r["peak_processes"],
                   r["peak_fds"], r["daemon_cpu_ms_per_rollout"]] for r in rows])
     write_json(args.json, results)
     if args.plot:
         plot(rows, args.plot, args.backend)
-    want = top if args.quick else TARGET_IN_FLIGHT
+    want = top  # every rollout of the largest level at once (1,000 unless --levels says otherwise)
     ok = check_targets([
         (f"rollouts in flight {results['rollouts_in_flight_max']} >= {want}", results["rollouts_in_flight_max"] >= want),
         (f"lost {results['lost']} = 0", results["lost"] == 0),
