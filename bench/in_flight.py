@@ -179,11 +179,14 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 async def wait_idle(client: AsyncRolloutClient, warm: int, limit_s: float) -> dict[str, Any]:
-    """The node with no request and its warm pool full (the idle baseline's state)."""
+    """The node with no request, its warm pool full and no sandbox still being destroyed (the idle
+    baseline's state)."""
     deadline = time.monotonic() + limit_s
     while True:
         st = await client.status()
-        if st["in_flight"] == 0 and st["sandboxes"]["ready"] >= warm and not st["sandboxes"]["starting"]:
+        destroying = sum(int(w.get("pool", {}).get("destroying", 0)) for w in st["workers"])
+        if (st["in_flight"] == 0 and st["sandboxes"]["ready"] >= warm and not st["sandboxes"]["starting"]
+                and not destroying):
             return st
         if time.monotonic() > deadline:
             raise TimeoutError(f"the node was not idle with {warm} warm sandboxes within {limit_s} s: {st}")
