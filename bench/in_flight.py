@@ -343,13 +343,15 @@ def plot(rows: list[dict[str, Any]], path: Path, backend: str) -> None:
     import matplotlib.pyplot as plt
 
     n = [r["n"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.5))
     a.plot(n, [r["daemon_cpu_ms_per_rollout"] for r in rows], "o-")
-    a.set(xlabel="rollouts in flight", ylabel="daemon CPU per rollout (ms)", xscale="log")
-    b.plot(n, [r["rss_mb_per_rollout"] for r in rows], "o-", label="RSS")
-    b.plot(n, [r["pss_mb_per_rollout"] for r in rows], "s-", label="PSS")
-    b.set(xlabel="rollouts in flight", ylabel="memory per rollout (MB)", xscale="log")
-    b.legend()
+    a.set(xlabel="rollouts in flight", ylabel="daemon CPU per rollout (ms)", xscale="log", ylim=(0, None))
+    b.plot(n, [r["rss_mb_per_rollout"] for r in rows], "o-", label="RSS (shared pages counted each time)")
+    b.plot(n, [r["pss_mb_per_rollout"] for r in rows], "s-", label="PSS (shared pages split)")
+    b.set(xlabel="rollouts in flight", ylabel="memory per rollout (MB)", xscale="log", ylim=(0, None))
+    b.legend(fontsize="small")
+    c.plot(n, [r["ramp_s"] for r in rows], "o-")
+    c.set(xlabel="rollouts in flight", ylabel="seconds until all are in flight", xscale="log", ylim=(0, None))
     fig.suptitle(f"One node, {backend} sandboxes, 2 cores")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
