@@ -39,10 +39,11 @@ from rolloutd.daemon.sandbox.images import cache_dir  # noqa: E402
 TURNS, MAX_TOKENS, EVAL_S = 4, 32, 8.0
 SAMPLE_S = 0.05
 # Each rollout generates for a few tenths of a second per turn against EVAL_S of tests; with
-# rollouts at every stage (see RAMP_S) enough of them keep one generating at almost any instant.
-# Here 24 left vLLM idle 12% of the time, 32 28% in a run with a faster vLLM (a quieter moment
-# of the machine); 48 keeps a margin. The synchronous loop gets the same 48 as its batch.
-IN_FLIGHT = 48
+# rollouts at every stage (see RAMP_S) enough of them keep one generating at most instants. On 2
+# busy cores more did not help: 24 gave 0.88 busy, 32 0.72, 48 0.59 (Apptainer) and 0.42 (local
+# sandboxes), vLLM sharing the two cores with every sandbox, shell and agent turn. The synchronous
+# loop gets the same 24 as its batch.
+IN_FLIGHT = 24
 RAMP_S = EVAL_S
 # No per-request seed: it kills vLLM's CPU engine (notes/vllm_cpu.md).
 SAMPLING = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -186,16 +187,13 @@ def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
     # Each staged phase is measured from the end of its ramp to its last submission: n - IN_FLIGHT
     # rollouts' worth of time.
-    rounds, n = (1, 3 * IN_FLIGHT) if args.quick else (3, 4 * IN_FLIGHT)
+    rounds, n = (1, 2 * IN_FLIGHT) if args.quick else (3, 3 * IN_FLIGHT)
     work = Path(tempfile.mkdtemp(prefix="rld-util-"))
     model = ensure_tiny_model(cache_dir(), python=vllm_python())
     # Stats on: the running-requests gauge is what is measured.
     with VLLMServer(model, max_model_len=8192, log_stats=True, log_path=work / "vllm.log") as server:
         env = {"ROLLOUTD_WARM_IPYTHON": "0"}
-        # Local sandboxes: each lease is a fresh sandbox, and on 2 busy cores Apptainer starts (2-4 a
-        # second) could not replace 48 rollouts' sandboxes every 12 s: vLLM then idled for want of
-        # sandboxes (0.59 busy), which measures the machine's instance starts, not the pipeline.
-        node_args = ["--backend", "local", "--workers", "2", "--warm", str(IN_FLIGHT // 2 + 4),
+        node_args = ["--backend", "apptainer", "--workers", "2", "--warm", str(IN_FLIGHT // 2 + 4),
                      "--inference-server", "vllm+" + server.url]
         with node_daemon(work / "node", *node_args, env=env) as address:
             results = asyncio.run(measure(address, server.url, rounds, n))
