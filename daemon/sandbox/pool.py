@@ -445,7 +445,7 @@ class WarmPool:
         return {
             "ready": sum(len(q) for q in self._ready.values()),
             "starting": sum(self._starting.values()),
-            "leased": len(self._leased),
+            "leased": len(self._leased), "destroying": len(self._destroying),
             "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
             "starts_waiting": self.start_gate.waiting,
             **self.counters,
