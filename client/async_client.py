@@ -47,6 +47,7 @@ from rolloutd.native_io.wire import (
 from rolloutd.native_io.zmq_loop import LoopSocket, SocketEvents
 from rolloutd.native_io.zmq_sockets import check_ipc_reachable, make_socket
 
+from .submitted import SubmittedRollouts
 from .worker_links import WorkerLinks
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -158,10 +159,7 @@ class AsyncRolloutClient(InferenceControl):
         self._sock: LoopSocket | None = None
         self._events: SocketEvents | None = None
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
-        self._rollouts: dict[str, asyncio.Future[Reply]] = {}
-        self._rollout_deadlines: dict[str, float] = {}
-        self._rollout_askers: dict[str, int] = {}
-        """How many submits of each id still wait for its result (an id submitted twice joins)."""
+        self._submitted: SubmittedRollouts[Reply] = SubmittedRollouts()
         self._held_segments: set[str] = set()
         self._segment_maps = shm.SegmentMaps()
         self._links = WorkerLinks(self._on_message, self._lost)
@@ -317,9 +315,7 @@ class AsyncRolloutClient(InferenceControl):
         loop = asyncio.get_running_loop()
         for req in requests:
             rid, fut = await self._start("rollout", req.to_args(), req.request_id)
-            self._rollouts[rid] = fut
-            self._rollout_askers[rid] = self._rollout_askers.get(rid, 0) + 1
-            self._rollout_deadlines[rid] = loop.time() + req.timeout_s + RESULT_MARGIN_S
+            self._submitted.add(rid, fut, loop.time() + req.timeout_s + RESULT_MARGIN_S)
             ids.append(rid)
         return ids
 
@@ -328,10 +324,10 @@ class AsyncRolloutClient(InferenceControl):
 
         Without ``timeout_s`` it waits until the latest of the requests' own deadlines (their
         ``timeout_s``) plus RESULT_MARGIN_S: by then the daemon has answered, or is broken."""
-        futs = {self._rollouts[rid]: rid for rid in ids}
+        futs = {self._submitted.answer(rid): rid for rid in ids}
         loop = asyncio.get_running_loop()
         if timeout_s is None:
-            deadline = max((self._rollout_deadlines[rid] for rid in ids), default=loop.time())
+            deadline = self._submitted.latest_deadline(ids, default=loop.time())
             timeout_s = round(deadline - loop.time(), 1)
         else:
             deadline = loop.time() + timeout_s
@@ -352,11 +348,7 @@ class AsyncRolloutClient(InferenceControl):
 
     def _result(self, rid: str, fut: asyncio.Future[Reply], asked: int = 1) -> RolloutResult:
         """``asked``: how many of the submits of ``rid`` this result answers (ids listed twice)."""
-        self._rollout_askers[rid] = self._rollout_askers.get(rid, asked) - asked
-        if self._rollout_askers[rid] <= 0:  # the last submit of this id has its answer
-            self._rollout_askers.pop(rid)
-            self._rollouts.pop(rid, None)
-            self._rollout_deadlines.pop(rid, None)
+        another_waits = self._submitted.hand_out(rid, asked)
         self._waiters.pop(rid, None)
         exc = fut.exception()
         if exc is not None:
@@ -365,7 +357,7 @@ class AsyncRolloutClient(InferenceControl):
             return RolloutResult(rid, [], error=exc)
         reply = fut.result()
         trajectories = unpack_batch(reply.result["trajectories"], reply.arrays)
-        if rid in self._rollout_askers:
+        if another_waits:
             # Another submit of this id still waits for it: this one gets private copies, so the
             # last one's release cannot pull the shared memory from under it.
             return RolloutResult(rid, [t.copy() for t in trajectories])
