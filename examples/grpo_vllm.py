@@ -241,10 +241,10 @@ def _surrogate_pass(policy: Policy, optimizer: torch.optim.Optimizer, batch: lis
 def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> tuple[Policy, dict[str, Any]]:
     """The supervised warm start, cached by every setting that shapes it; (policy, its figures)."""
     spec = TinyModelSpec(seed=args.seed, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
-    curriculum = Curriculum(tail=args.sft_tail, tail_steps=args.sft_tail_steps, grow_steps=args.sft_grow_steps)
+    curriculum = Curriculum(tail=args.sft_tail, tail_target=args.sft_tail_target)
     cache = CACHE / "models"
-    key = (f"filecalc-sft3-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
-           f"{curriculum.tail}-{curriculum.tail_steps}-{curriculum.grow_steps}-{args.seed}")
+    key = (f"filecalc-sft4-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
+           f"{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
     if (cache / key / "config.json").exists():
         print(f"warm start: cached {cache / key}", flush=True)
         return Policy(cache / key), {**json.loads((cache / key / SFT_FIGURES).read_text()), "sft_cached": True}
@@ -371,22 +371,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=8, help="samples per instance")
     p.add_argument("--heldout", type=int, default=128, help="held-out instances per evaluation (one sample each)")
     p.add_argument("--eval-every", type=int)
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (decoupled)")
     p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--epochs", type=int, default=1, help="optimizer steps per batch (the first one is checked)")
+    p.add_argument("--epochs", type=int, default=2, help="optimizer steps per batch (the first one is checked)")
     p.add_argument("--max-lag", type=int, default=0, help="refuse turns this many versions older than the trainer's")
     p.add_argument("--max-tokens", type=int, default=64, help="per model turn")
     p.add_argument("--choices", choices=sorted(CHOICES), default="operator",
                    help="what varies in the command: the operator only, or file, operator and operand")
     p.add_argument("--instances", type=int, default=2970)
     p.add_argument("--sft-demos", type=int, default=512)
-    p.add_argument("--sft-target", type=float, default=0.3)
+    p.add_argument("--sft-target", type=float, default=0.08)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-max-steps", type=int, default=1000)
     p.add_argument("--sft-tail", type=int, default=64, help="prompt tokens the warm start first trains on")
-    p.add_argument("--sft-tail-steps", type=int, default=150)
-    p.add_argument("--sft-grow-steps", type=int, default=1, help="steps to widen the window to whole prompts")
+    p.add_argument("--sft-tail-target", type=float, default=0.3,
+                   help="oracle probability on those tails before whole prompts come in")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
