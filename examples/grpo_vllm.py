@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path)
     args = p.parse_args(argv)
     args.steps = args.steps or (8 if args.quick else 24)
-    args.eval_every = args.eval_every or (4 if args.quick else 6)
+    args.eval_every = args.eval_every or (8 if args.quick else 6)
     if args.k < 2 or args.steps < 1 or args.tasks < 1 or args.heldout < 1:
         p.error("--k must be >= 2 (a group), --steps, --tasks and --heldout >= 1")
     # A SIGTERM unwinds like an error: vLLM and the node daemon are stopped on the way out.
