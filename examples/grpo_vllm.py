@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=8, help="samples per instance")
     p.add_argument("--heldout", type=int, default=128, help="held-out instances per evaluation (one sample each)")
     p.add_argument("--eval-every", type=int)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (decoupled)")
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--epochs", type=int, default=2, help="optimizer steps per batch (the first one is checked)")
