@@ -49,16 +49,20 @@ from rolloutd.cli.demo import node_daemon
 from rolloutd.daemon.policy.tiny_model import TinyModelSpec
 from rolloutd.daemon.inference.vllm_server import VLLMServer
 from rolloutd.daemon.inference.vllm_weights import push_weights
-from rolloutd.daemon.tasks.filecalc import generate, split
+from rolloutd.daemon.tasks.filecalc import ALL, OPERATOR_ONLY, generate, split
 from rolloutd.native_io.errors import RolloutdError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from filecalc_policy import Policy, Sequence, agent_config, demonstration, prompt_ids, supervised_warm_start  # noqa: E402
+from filecalc_policy import (  # noqa: E402
+    Curriculum, Policy, Sequence, agent_config, demonstration, prompt_ids, supervised_warm_start)
 
 ONPOLICY_TOLERANCE = 1e-4
+CHOICES = {"operator": OPERATOR_ONLY, "all": ALL}
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("ROLLOUTD_CACHE_DIR", REPO / ".cache"))
 """The sandbox image and the warm-started model (the Makefile's default: the checkout's .cache)."""
+SFT_FIGURES = "sft.json"
+"""Beside a cached warm start: its steps, probability and build time, reported again on reuse."""
 
 
 @dataclass
@@ -85,6 +89,12 @@ class Run:
     steps: list[StepReport] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     lost: int = 0
+    eval_s: float = 0.0
+    """Wall time of the held-out and probe evaluations."""
+    per_trajectory_s: dict[str, float] = field(default_factory=dict)
+    """Summed over every trajectory: its stages (init, run, eval) and, inside run, the agent's
+    waits on generation and on tools; divided by the count at the end (where rollout time goes)."""
+    trajectories: int = 0
     log: Any = None
     """An open file: one JSON line per trajectory (scalar fields and arrays), in the work folder."""
 
@@ -140,6 +150,12 @@ def rollouts(client: RolloutClient, records: list[dict[str, Any]], k: int, args:
         out += [(group[result.request_id], t.copy()) for t in result.trajectories]
         client.release(result)
     run.lost += len(records) * k - len(out)
+    for _, t in out:
+        run.trajectories += 1
+        times = {**{f"stage_{k}": v for k, v in t.stage_s.items()},
+                 **{k: t.metrics[k] for k in ("generate_s", "tool_s") if k in t.metrics}}
+        for name, value in times.items():
+            run.per_trajectory_s[name] = run.per_trajectory_s.get(name, 0.0) + float(value)
     if run.log is not None:
         for g, t in out:
             arrays = {k: getattr(t, k).tolist() for k in ("prompt_ids", "response_ids", "response_mask",
@@ -149,7 +165,9 @@ def rollouts(client: RolloutClient, records: list[dict[str, Any]], k: int, args:
 
 
 def mean_reward(client: RolloutClient, records: list[dict[str, Any]], args: argparse.Namespace, run: Run) -> float:
+    t0 = time.monotonic()
     valid = [t.reward for _, t in rollouts(client, records, 1, args, run, "eval") if t.reward_valid]
+    run.eval_s += time.monotonic() - t0
     return statistics.fmean(valid) if valid else float("nan")
 
 
@@ -166,13 +184,39 @@ def fresh_enough(versions: list[str], current: int, max_lag: int) -> bool:
 
 
 def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tuple[str, Trajectory]],
-                clip: float) -> tuple[float, float]:
-    """One optimizer step; (loss, max |trainer log-prob - vLLM log-prob| over generated tokens)."""
+                clip: float, epochs: int = 1) -> tuple[float, float]:
+    """``epochs`` optimizer steps on the batch; (first loss, max |trainer log-prob - vLLM log-prob|
+    over generated tokens, from the first pass: the weights vLLM sampled with). Later epochs move
+    the ratio away from 1, where the clip bounds them. A group whose rewards are all equal has
+    advantage 0 and no gradient: its trajectories are left out of the passes (on a 2-core machine
+    the update is the costliest part); a batch with no other still gets its check on 16 of them,
+    and its optimizer step (weight decay alone)."""
     groups: dict[str, list[float]] = {}
     for g, t in batch:
         groups.setdefault(g, []).append(t.reward)
     stats = {g: (statistics.fmean(r), statistics.pstdev(r)) for g, r in groups.items()}
     total_tokens = sum(t.num_model_tokens for _, t in batch)
+    learning = [(g, t) for g, t in batch if stats[g][1] > 0] or batch[:16]
+    first_loss = checked = 0.0
+    for epoch in range(epochs):
+        loss_sum, max_diff = _surrogate_pass(policy, optimizer, learning, stats, clip, total_tokens)
+        if epoch == 0:
+            _check(max_diff)
+            first_loss, checked = loss_sum, max_diff
+        optimizer.step()
+    return first_loss, checked
+
+
+def _check(max_diff: float) -> None:
+    if max_diff > ONPOLICY_TOLERANCE:
+        raise RolloutdError(f"on-policy check failed: the trainer's log-probabilities differ from vLLM's by up to "
+                            f"{max_diff:.3g} (> {ONPOLICY_TOLERANCE}); the pushed weights did not reach vLLM")
+
+
+def _surrogate_pass(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tuple[str, Trajectory]],
+                    stats: dict[str, tuple[float, float]], clip: float, total_tokens: int) -> tuple[float, float]:
+    """Gradients of the clipped surrogate over the batch's mask-1 tokens (the mask also drops the
+    prompt and the tool answers: gradients reach generated tokens only); (loss, max |dlogp|)."""
     optimizer.zero_grad()
     loss_sum, max_diff = 0.0, 0.0
     for i in range(0, len(batch), 16):  # 16 trajectories per forward pass: bounded memory
@@ -191,38 +235,39 @@ def grpo_update(policy: Policy, optimizer: torch.optim.Optimizer, batch: list[tu
             loss = loss - surrogate.sum() / total_tokens
         loss.backward()
         loss_sum += loss.item()
-    if max_diff > ONPOLICY_TOLERANCE:
-        raise RolloutdError(f"on-policy check failed: the trainer's log-probabilities differ from vLLM's by up to "
-                            f"{max_diff:.3g} (> {ONPOLICY_TOLERANCE}); the pushed weights did not reach vLLM")
-    optimizer.step()
     return loss_sum, max_diff
 
 
-def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> Policy:
+def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> tuple[Policy, dict[str, Any]]:
+    """The supervised warm start, cached by every setting that shapes it; (policy, its figures)."""
     spec = TinyModelSpec(seed=args.seed, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
+    curriculum = Curriculum(tail=args.sft_tail, tail_target=args.sft_tail_target)
     cache = CACHE / "models"
-    key = (f"filecalc-sft-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
-           f"{args.seed}")
+    key = (f"filecalc-sft4-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
+           f"{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
     if (cache / key / "config.json").exists():
         print(f"warm start: cached {cache / key}", flush=True)
-        return Policy(cache / key)
+        return Policy(cache / key), {**json.loads((cache / key / SFT_FIGURES).read_text()), "sft_cached": True}
     cache.mkdir(parents=True, exist_ok=True)
     policy = Policy.fresh(cache / f"tiny-qwen2-{spec.key}", spec)
     demos = [demonstration(policy.tokenizer, r) for r in train[:args.sft_demos]]
     probe = [demonstration(policy.tokenizer, r) for r in train[args.sft_demos:args.sft_demos + 32]]
     t0 = time.monotonic()
     print(f"warm start: SFT on {len(demos)} oracle demonstrations to P(oracle) >= {args.sft_target}", flush=True)
-    stats = supervised_warm_start(policy, demos, probe, target=args.sft_target, lr=args.sft_lr, batch=16,
-                                  max_steps=args.sft_max_steps, seed=args.seed)
-    print(f"warm start: {stats} in {time.monotonic() - t0:.0f} s", flush=True)
+    stats: dict[str, Any] = supervised_warm_start(
+        policy, demos, probe, target=args.sft_target, lr=args.sft_lr, batch=16, max_steps=args.sft_max_steps,
+        seed=args.seed, curriculum=curriculum)
+    stats["sft_s"] = round(time.monotonic() - t0, 1)
+    print(f"warm start: {stats}", flush=True)
     policy.save(cache / key)
-    return Policy(cache / key)
+    (cache / key / SFT_FIGURES).write_text(json.dumps(stats))
+    return Policy(cache / key), {**stats, "sft_cached": False}
 
 
 def train(args: argparse.Namespace, work: Path) -> tuple[Run, float, dict[str, float]]:
-    records = generate(args.instances, seed=args.seed)
+    records = generate(args.instances, seed=args.seed, choices=CHOICES[args.choices])
     train_set, heldout = split(records, 0.2)
-    policy = warm_start(args, train_set)
+    policy, sft = warm_start(args, train_set)
     rl_pool = train_set[args.sft_demos + 32:]
     probe, heldout = rl_pool[:args.heldout], heldout[:args.heldout]
     rng = random.Random(args.seed)
@@ -251,7 +296,7 @@ def train(args: argparse.Namespace, work: Path) -> tuple[Run, float, dict[str, f
                     print(format_step(run.steps[-1]), flush=True)
             wall = time.monotonic() - t_start
     run.log.close()
-    return run, busy.share, {"rl_wall_s": wall}
+    return run, busy.share, {"rl_wall_s": round(wall, 1), **sft}
 
 
 def one_step(step: int, client: RolloutClient, server: VLLMServer, policy: Policy, optimizer: torch.optim.Optimizer,
@@ -268,7 +313,7 @@ def one_step(step: int, client: RolloutClient, server: VLLMServer, policy: Polic
     valid = [(g, t) for g, t in batch if t.reward_valid]
     fresh = [(g, t) for g, t in valid if fresh_enough(t.weight_versions, current, args.max_lag)]
     t1 = time.monotonic()
-    loss, diff = grpo_update(policy, optimizer, fresh, args.clip)
+    loss, diff = grpo_update(policy, optimizer, fresh, args.clip, args.epochs)
     t2 = time.monotonic()
     version = f"v{step}"
     folder = policy.save(work / version)
@@ -329,13 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (decoupled)")
     p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--epochs", type=int, default=2, help="optimizer steps per batch (the first one is checked)")
     p.add_argument("--max-lag", type=int, default=0, help="refuse turns this many versions older than the trainer's")
     p.add_argument("--max-tokens", type=int, default=64, help="per model turn")
-    p.add_argument("--instances", type=int, default=3000)
+    p.add_argument("--choices", choices=sorted(CHOICES), default="operator",
+                   help="what varies in the command: the operator only, or file, operator and operand")
+    p.add_argument("--instances", type=int, default=2970)
     p.add_argument("--sft-demos", type=int, default=512)
-    p.add_argument("--sft-target", type=float, default=0.3)
+    p.add_argument("--sft-target", type=float, default=0.08)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--sft-max-steps", type=int, default=300)
+    p.add_argument("--sft-max-steps", type=int, default=1000)
+    p.add_argument("--sft-tail", type=int, default=64, help="prompt tokens the warm start first trains on")
+    p.add_argument("--sft-tail-target", type=float, default=0.3,
+                   help="oracle probability on those tails before whole prompts come in")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
@@ -348,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path)
     args = p.parse_args(argv)
     args.steps = args.steps or (8 if args.quick else 24)
-    args.eval_every = args.eval_every or (4 if args.quick else 6)
+    args.eval_every = args.eval_every or (8 if args.quick else 6)
     if args.k < 2 or args.steps < 1 or args.tasks < 1 or args.heldout < 1:
         p.error("--k must be >= 2 (a group), --steps, --tasks and --heldout >= 1")
     # A SIGTERM unwinds like an error: vLLM and the node daemon are stopped on the way out.
@@ -370,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_samples": args.heldout, "infra_failed": sum(s.infra_failed for s in run.steps),
         "stale_refused": sum(s.stale_refused for s in run.steps), "lost": run.lost,
         "load_start": load_start, "load_end": load(), **extra,
+        "time_s": {"rollouts": round(sum(s.rollout_s for s in run.steps), 1),
+                   "train": round(sum(s.train_s for s in run.steps), 1),
+                   "push": round(sum(s.push_s for s in run.steps), 1), "evaluations": round(run.eval_s, 1)},
+        "per_trajectory_mean_s": {k: round(v / max(run.trajectories, 1), 3) for k, v in run.per_trajectory_s.items()},
         "per_step": [asdict(s) for s in run.steps], "evals": run.evals,
     }
     print(json.dumps({k: v for k, v in summary.items() if k not in ("per_step", "evals")}), flush=True)

@@ -23,8 +23,28 @@ from rolloutd.native_io.errors import RolloutdError
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_vllm.py"
 
 sys.path.insert(0, str(EXAMPLE.parent))
-from filecalc_policy import Policy, demonstration  # noqa: E402
+from filecalc_policy import HEAD, Curriculum, Policy, _crop, demonstration  # noqa: E402
 from grpo_vllm import fresh_enough, grpo_update  # noqa: E402
+
+
+def test_the_warm_start_window_keeps_the_head_and_the_statement(short_tmp: Path) -> None:
+    import random
+
+    from rolloutd.daemon.policy.tokenizer import DEFAULT_TOKENIZER_DIR, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER_DIR)
+    demos = [demonstration(tokenizer, r) for r in generate(8)]
+    curriculum = Curriculum(tail=64)
+    rng = random.Random(0)
+    for cut in _crop(demos, True, curriculum, rng):
+        assert len(cut.prompt) == HEAD + 64
+        text = tokenizer.decode(cut.prompt)
+        assert text.startswith("<|im_start|>system\n") and "</issue>" in text and "answer.txt" in text
+    for _ in range(20):  # windows: a common cut, at most the whole prompt, the replies untouched
+        cut = _crop(demos, False, curriculum, rng)
+        assert len({len(c.prompt) for c in cut}) == 1 and HEAD + 64 <= len(cut[0].prompt) <= len(demos[0].prompt)
+        assert all(c.response == d.response and c.prompt[-64:] == d.prompt[-64:] for c, d in zip(cut, demos))
+        assert len({c.prompt[HEAD] for c in cut}) == 1
 
 
 def test_stale_turns_are_refused() -> None:

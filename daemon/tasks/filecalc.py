@@ -18,6 +18,7 @@ import hashlib
 import json
 import random
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from rolloutd.native_io.errors import TaskError
@@ -26,12 +27,32 @@ from .base import Task, require
 from .command import CommandTaskType
 
 OPS = {"plus": "+", "minus": "-", "times": "*"}
-# Small choice sets (36 combinations of file, operator and operand; 3,240 instances with the values):
-# a policy of half a million parameters learns to copy them into its command within minutes on a CPU.
-FILES = ("n.txt", "x.txt", "value.txt")
 ANSWER_FILE = "answer.txt"
-VALUES = (10, 99)
-OPERANDS = (2, 5)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What :func:`generate` draws from: file names, operators, and inclusive integer ranges."""
+
+    files: tuple[str, ...] = ("n.txt", "x.txt", "value.txt")
+    ops: tuple[str, ...] = tuple(OPS)
+    values: tuple[int, int] = (10, 99)
+    operands: tuple[int, int] = (2, 5)
+
+    @property
+    def size(self) -> int:
+        return (len(self.files) * len(self.ops) * (self.values[1] - self.values[0] + 1)
+                * (self.operands[1] - self.operands[0] + 1))
+
+
+ALL = Choices()
+"""36 combinations of file, operator and operand (3,240 instances with the values)."""
+OPERATOR_ONLY = Choices(files=("n.txt",), values=(10, 999), operands=(4, 4))
+"""Only the operator varies in the command (2,970 instances): the learning demo's choices. From a
+random start a 0.56 M-parameter model learns the reply's format first and then sits at a saddle
+for each word it must copy from a 420-token prompt (attention is uniform, so the word reaches the
+reply at 1/420 strength); with all three words varying it stayed at chance (1/36) for hundreds of
+supervised steps, so RL had no reward to climb from."""
 
 
 def expected(record: dict[str, Any]) -> int:
@@ -69,16 +90,16 @@ class FileCalcTaskType(CommandTaskType):
         return super().parse(command)
 
 
-def generate(count: int, seed: int = 0) -> list[dict[str, Any]]:
+def generate(count: int, seed: int = 0, choices: Choices = ALL) -> list[dict[str, Any]]:
     """``count`` distinct instances drawn from ``seed`` (the same seed gives the same list)."""
-    space = len(FILES) * len(OPS) * (VALUES[1] - VALUES[0] + 1) * (OPERANDS[1] - OPERANDS[0] + 1)
-    if not 0 < count <= space:
-        raise TaskError(f"filecalc: count must be between 1 and {space} (distinct instances), got {count}")
+    if not 0 < count <= choices.size:
+        raise TaskError(f"filecalc: count must be between 1 and {choices.size} (distinct instances), got {count}")
     rng = random.Random(seed)
     seen: set[tuple[str, str, int, int]] = set()
     records = []
     while len(records) < count:
-        key = (rng.choice(FILES), rng.choice(sorted(OPS)), rng.randint(*VALUES), rng.randint(*OPERANDS))
+        key = (rng.choice(choices.files), rng.choice(sorted(choices.ops)), rng.randint(*choices.values),
+               rng.randint(*choices.operands))
         if key in seen:
             continue
         seen.add(key)
