@@ -31,7 +31,7 @@ from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
 from rolloutd.daemon.inference import SamplingParams  # noqa: E402
-from rolloutd.daemon.inference.tiny_model import ensure_tiny_model  # noqa: E402
+from rolloutd.daemon.policy.tiny_model import ensure_tiny_model  # noqa: E402
 from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request  # noqa: E402
 from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python  # noqa: E402
 from rolloutd.daemon.sandbox.images import cache_dir  # noqa: E402

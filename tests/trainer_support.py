@@ -13,7 +13,7 @@ from pathlib import Path
 from daemon_fixtures import policy_and_node
 
 from rolloutd.client import RolloutClient, RolloutRequest
-from rolloutd.daemon.inference.tiny_model import TinyModelSpec, ensure_tiny_model
+from rolloutd.daemon.policy.tiny_model import TinyModelSpec, ensure_tiny_model
 
 API_KEY = "trainer-test-key"
 ROLLOUT_TIMEOUT_S = 480.0
