@@ -188,6 +188,10 @@ def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> 
     run(scenario(), timeout_s=600)
 
 
+TURN_TOKENS = 6000
+"""Long enough that vLLM is still decoding the turn when the test polls its running gauge."""
+
+
 def test_a_removed_servers_turn_is_aborted_there_and_moves_to_another(server: VLLMServer) -> None:
     """remove_server ends a turn running on vLLM through vLLM's abort route (well before the
     abort timeout, after which the pool would close the connection instead), and the turn,
@@ -198,9 +202,12 @@ def test_a_removed_servers_turn_is_aborted_there_and_moves_to_another(server: VL
             # on which one registered first), the other server only once the turn runs there.
             async with await ServerPool.create(["vllm+" + server.url], api_key=API_KEY,
                                                health_interval_s=0) as pool:
-                params = SamplingParams(max_tokens=3000, ignore_eos=True)
+                params = SamplingParams(max_tokens=TURN_TOKENS, ignore_eos=True)
                 turn = asyncio.create_task(pool.generate(PROMPT, params, trajectory_id="r", timeout_s=300))
-                await wait_running(server.url)
+                running = asyncio.create_task(wait_running(server.url))
+                await asyncio.wait([turn, running], return_when=asyncio.FIRST_COMPLETED)
+                assert not turn.done(), f"the turn ended before vLLM was seen running it: {turn.exception() or turn.result()}"
+                await running
                 await pool.add_server("sglang+" + other.url)
                 started = time.monotonic()
                 await pool.remove_server(server.url, abort_timeout_s=REMOVAL_ABORT_S)
@@ -209,7 +216,7 @@ def test_a_removed_servers_turn_is_aborted_there_and_moves_to_another(server: VL
             return result, removal_s
     result, removal_s = run(scenario(), timeout_s=600)
     assert removal_s < REMOVAL_ABORT_S / 2, removal_s
-    assert result.server != server.url and len(result.token_ids) == 3000 and result.finish_reason == "length"
+    assert result.server != server.url and len(result.token_ids) == TURN_TOKENS and result.finish_reason == "length"
 
 
 def test_pause_keep_holds_new_calls_until_resume(server: VLLMServer) -> None:
