@@ -27,7 +27,6 @@ class PoolServer:
     backend: InferenceBackend
     healthy: bool = True
     removed: bool = False
-    in_flight: int = 0
     dispatched: int = 0
     completed: int = 0
     failures: int = 0
@@ -42,6 +41,10 @@ class PoolServer:
     @property
     def address(self) -> str:
         return self.backend.address
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.calls)
 
     @property
     def usable(self) -> bool:

@@ -211,7 +211,6 @@ class ServerPool:
             attempt += 1
             sent, epoch = self._weight_version, self._version_epoch
             server.calls.add(rid)
-            server.in_flight += 1
             server.dispatched += 1
             server.idle.clear()
             try:
@@ -230,8 +229,7 @@ class ServerPool:
                 continue
             finally:
                 server.calls.discard(rid)
-                server.in_flight -= 1
-                if server.in_flight == 0:
+                if not server.calls:
                     server.idle.set()
             if server.removed and result.finish_reason == "abort":
                 self._moved(rid, server, trajectory_id, "aborted")
