@@ -15,7 +15,7 @@ import pytest
 from daemon_fixtures import CLI, node_daemon
 from support.waits import async_poll
 from rolloutd.client.async_client import AsyncRolloutClient
-from rolloutd.native_io.errors import ShuttingDown
+from rolloutd.native_io.errors import DuplicateRequest, ShuttingDown
 
 STATS_TIMEOUT_S = 5.0
 """Workers report their counters once a second."""
@@ -64,6 +64,9 @@ async def test_commands_go_on_the_link_exactly_once(short_tmp: Path) -> None:
                 await async_poll(c.status, lambda st: st["workers"][0]["client_links"]["duplicates"] == 2,
                                  STATS_TIMEOUT_S, "the worker's report of the two repeats")
                 assert (await c.status())["workers"][0]["client_links"]["requests"] == 3
+                # The id asking something else is refused, naming the field, as on the node's socket.
+                with pytest.raises(DuplicateRequest, match="args.command"):
+                    await c.request("sandbox.run", {**args, "command": "echo other"}, request_id="once", link=link)
                 # A link carries a lease's commands only; anything else goes to the node.
                 for op, args in (("sandbox.open", {}), ("status", {})):
                     header = raw_exchange(link, [b"\x01", msgpack.packb({"v": 1, "id": "x", "op": op, "args": args})])

@@ -28,6 +28,7 @@ from rolloutd.daemon.common.request_book import (
     RequestBook,
     checked_id,
     error_frames,
+    fingerprint,
     nbytes,
     salvage_id,
 )
@@ -96,10 +97,11 @@ class ClientLinks:
             if rid in self.book:  # only this link's own requests
                 self._cancel(rid)
             return
-        if self.book.repeat(rid, b"", link):  # type: ignore[arg-type]
+        asked = fingerprint(header)
+        if self.book.repeat(rid, b"", link, asked=asked):  # type: ignore[arg-type]
             return
         self.counters["requests"] += 1
-        p = Accepted(rid=rid, client=b"", socket=link, op=op, frames=[])  # type: ignore[arg-type]
+        p = Accepted(rid=rid, client=b"", socket=link, op=op, frames=[], fingerprint=asked)  # type: ignore[arg-type]
         self.book.open(p)
         self._start(rid, header, buffers, lambda answer: self._answer(p, answer))
 
