@@ -31,6 +31,8 @@ CLIENT = Path(__file__).with_name("slurm_job_client.py")
 CLUSTER_DIR = Path(os.environ.get("ROLLOUTD_TEST_SLURM_DIR", "/tmp/rld-slurm"))
 RUN_BASE = Path("/run/rld-sj")
 PY = sys.executable
+CANCEL_RETRY_S = 5.0
+"""How long a cancel waits for the job to leave the queue before it sends scancel again."""
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 
@@ -176,6 +178,27 @@ class SlurmCluster:
             time.sleep(0.2)
         raise AssertionError(f"job {job} still queued after {timeout_s} s: {self.job_fields(job)}")
 
+    def cancel(self, job: int, timeout_s: float = 90) -> str:
+        """Cancel ``job`` and wait until it left the queue; its state. scancel is repeated: a job
+        caught in the requeue that follows a failed prolog ignores a single one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.root("scancel", str(job), check=False)
+            try:
+                return self.wait_done(job, timeout_s=min(CANCEL_RETRY_S, max(0.0, deadline - time.monotonic())))
+            except AssertionError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def resume_node(self) -> str:
+        """Put a drained node back in service and wait until it is idle; the drain reason it had ("" when none)."""
+        node = self.node_fields()
+        reason = node["Reason"] if "DRAIN" in node.get("State", "") else ""
+        if reason:
+            self.root("scontrol", "update", f"NodeName={self.host}", "State=RESUME", check=False)
+        self.wait_node_idle()
+        return reason
+
     def node_fields(self) -> dict[str, str]:
         out = self.root("scontrol", "-o", "show", "node", self.host).stdout
         fields = dict(re.findall(r"(\w+)=(\S*)", out))
@@ -240,10 +263,11 @@ def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     slurm_cluster.write_hook_config()
     leftover = slurm_cluster.root("squeue", "-h", "-u", slurm_cluster.user.pw_name, "-o", "%i").stdout.split()
     for job in leftover:
-        slurm_cluster.root("scancel", job, check=False)
-        slurm_cluster.wait_done(int(job))
+        slurm_cluster.cancel(int(job))
+    # Put back in service whatever the test left, so that one failure does not fail every later test.
+    drained = slurm_cluster.resume_node()
     assert leftover == [], f"the test left jobs {leftover}"
-    slurm_cluster.wait_node_idle()
+    assert not drained, f"the test left the node drained: {drained}"
 
 
 def hold_script(folder: Path, command: str = "echo hi; id -u") -> str:

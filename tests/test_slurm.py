@@ -134,10 +134,8 @@ def test_bad_config_drains_the_node_with_the_reason(slurm: SlurmCluster, short_t
         assert not (folder / f"{job}.out").exists() or "should not run" not in (folder / f"{job}.out").read_text()
     finally:
         slurm.write_hook_config()
-        slurm.root("scancel", str(job), check=False)
-        slurm.wait_done(job)
-        slurm.root("scontrol", "update", f"NodeName={slurm.host}", "State=RESUME", check=False)
-        slurm.wait_node_idle()
+        slurm.cancel(job)
+        slurm.resume_node()
 
 
 def test_salloc_session_finds_the_daemon(slurm: SlurmCluster, short_tmp: Path) -> None:

@@ -160,11 +160,9 @@ def test_run_base_no_user_can_create_first(slurm: SlurmCluster, short_tmp: Path)
     finally:
         planted.unlink(missing_ok=True)
         slurm.write_hook_config()
-        slurm.root("scancel", str(job), check=False)
-        slurm.wait_done(job)
-        slurm.root("scontrol", "update", f"NodeName={slurm.host}", "State=RESUME", check=False)
+        slurm.cancel(job)
         shutil.rmtree(base, ignore_errors=True)
-        slurm.wait_node_idle()
+        slurm.resume_node()
 
 
 def test_stale_pid_of_another_job_is_left_alone(slurm: SlurmCluster, short_tmp: Path) -> None:
