@@ -170,11 +170,11 @@ def test_abort_and_cancel_stop_the_request_on_the_server(server: VLLMServer) -> 
             call = asyncio.create_task(be.generate(PROMPT, long, request_id="to-abort", timeout_s=300))
             # Decoding first, so the abort ends it with some tokens (an abort before that ended it
             # with none once, on a loaded machine).
-            await wait_running(server.url)
+            await wait_running(server.url, call)
             aborted = await abort_until_done(lambda: be.abort("to-abort"), call)
             # A cancelled call aborts too: the server is free right after (the next call is quick).
             cancelled = asyncio.create_task(be.generate(PROMPT, long, request_id="to-cancel", timeout_s=300))
-            await wait_running(server.url)
+            await wait_running(server.url, cancelled)
             cancelled.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await cancelled
@@ -204,10 +204,7 @@ def test_a_removed_servers_turn_is_aborted_there_and_moves_to_another(server: VL
                                                health_interval_s=0) as pool:
                 params = SamplingParams(max_tokens=TURN_TOKENS, ignore_eos=True)
                 turn = asyncio.create_task(pool.generate(PROMPT, params, trajectory_id="r", timeout_s=300))
-                running = asyncio.create_task(wait_running(server.url))
-                await asyncio.wait([turn, running], return_when=asyncio.FIRST_COMPLETED)
-                assert not turn.done(), f"the turn ended before vLLM was seen running it: {turn.exception() or turn.result()}"
-                await running
+                await wait_running(server.url, turn)
                 await pool.add_server("sglang+" + other.url)
                 started = time.monotonic()
                 await pool.remove_server(server.url, abort_timeout_s=REMOVAL_ABORT_S)
@@ -513,7 +510,7 @@ def test_slow_health_keeps_the_server_and_a_restart_under_a_turn_is_survived(ser
             # A long turn is in flight (on the pooled keep-alive connection) when the server dies.
             turn = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_tokens=3000, ignore_eos=True),
                                                      trajectory_id="r", timeout_s=600))
-            await wait_running(server.url)
+            await wait_running(server.url, turn)
             server.kill()
             async with await ServerPool.create([VLLMHTTPBackend(server.url)], health_interval_s=0,
                                                server_wait_s=1.0) as gone:
