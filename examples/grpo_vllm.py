@@ -243,8 +243,8 @@ def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> tuple[P
     spec = TinyModelSpec(seed=args.seed, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
     curriculum = Curriculum(tail=args.sft_tail, tail_target=args.sft_tail_target)
     cache = CACHE / "models"
-    key = (f"filecalc-sft4-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_lr}-{args.sft_max_steps}-"
-           f"{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
+    key = (f"filecalc-sft5-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_ceiling}-{args.sft_lr}-"
+           f"{args.sft_max_steps}-{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
     if (cache / key / "config.json").exists():
         print(f"warm start: cached {cache / key}", flush=True)
         return Policy(cache / key), {**json.loads((cache / key / SFT_FIGURES).read_text()), "sft_cached": True}
@@ -255,8 +255,8 @@ def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> tuple[P
     t0 = time.monotonic()
     print(f"warm start: SFT on {len(demos)} oracle demonstrations to P(oracle) >= {args.sft_target}", flush=True)
     stats: dict[str, Any] = supervised_warm_start(
-        policy, demos, probe, target=args.sft_target, lr=args.sft_lr, batch=16, max_steps=args.sft_max_steps,
-        seed=args.seed, curriculum=curriculum)
+        policy, demos, probe, target=args.sft_target, ceiling=args.sft_ceiling, lr=args.sft_lr, batch=16,
+        max_steps=args.sft_max_steps, seed=args.seed, curriculum=curriculum)
     stats["sft_s"] = round(time.monotonic() - t0, 1)
     print(f"warm start: {stats}", flush=True)
     policy.save(cache / key)
@@ -381,12 +381,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="what varies in the command: the operator only, or file, operator and operand")
     p.add_argument("--instances", type=int, default=2970)
     p.add_argument("--sft-demos", type=int, default=512)
-    p.add_argument("--sft-target", type=float, default=0.08)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-target", type=float, default=0.2)
+    p.add_argument("--sft-ceiling", type=float, default=0.5,
+                   help="a warm start above this oracle probability is undone to its last check under the target")
+    p.add_argument("--sft-lr", type=float, default=1e-3,
+                   help="at 3e-3 the copy of the operator never formed (measured offline)")
     p.add_argument("--sft-max-steps", type=int, default=1000)
-    p.add_argument("--sft-tail", type=int, default=64, help="prompt tokens the warm start first trains on")
-    p.add_argument("--sft-tail-target", type=float, default=0.3,
-                   help="oracle probability on those tails before whole prompts come in")
+    p.add_argument("--sft-tail", type=int, default=30, help="prompt tokens the warm start first trains on")
+    p.add_argument("--sft-tail-target", type=float, default=0.4,
+                   help="oracle probability on those tails before whole prompts come in (> 1/3: the copy formed)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
