@@ -405,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     args.eval_every = args.eval_every or (8 if args.quick else 6)
     if args.k < 2 or args.steps < 1 or args.tasks < 1 or args.heldout < 1:
         p.error("--k must be >= 2 (a group), --steps, --tasks and --heldout >= 1")
+    if args.sft_ceiling < args.sft_target:
+        p.error("--sft-ceiling must be >= --sft-target (the warm start stops at the target)")
     # A SIGTERM unwinds like an error: vLLM and the node daemon are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # One thread: on a shared 2-core machine two threads ran the update 3-5x slower (contention).
