@@ -244,8 +244,8 @@ def warm_start(args: argparse.Namespace, train: list[dict[str, Any]]) -> tuple[P
     spec = TinyModelSpec(seed=args.seed, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
     curriculum = Curriculum(tail=args.sft_tail, tail_target=args.sft_tail_target)
     cache = CACHE / "models"
-    key = (f"filecalc-sft5-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_ceiling}-{args.sft_lr}-"
-           f"{args.sft_max_steps}-{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
+    key = (f"filecalc-sft5-{args.choices}-{spec.key}-{args.sft_demos}-{args.sft_target}-{args.sft_ceiling}-"
+           f"{args.sft_lr}-{args.sft_max_steps}-{curriculum.tail}-{curriculum.tail_target}-{curriculum.tail_max_steps}-{args.seed}")
     if (cache / key / "config.json").exists():
         print(f"warm start: cached {cache / key}", flush=True)
         return Policy(cache / key), {**json.loads((cache / key / SFT_FIGURES).read_text()), "sft_cached": True}
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps and evaluations (about a third of the run)")
     p.add_argument("--steps", type=int)
     p.add_argument("--tasks", type=int, default=8,
-                   help="train instances per step (GRPO groups; 16 learnt no faster per step offline, at twice the cost)")
+                   help="train instances per step (GRPO groups; 16 learnt no faster a step offline)")
     p.add_argument("--k", type=int, default=8, help="samples per instance")
     p.add_argument("--heldout", type=int, default=128, help="held-out instances per evaluation (one sample each)")
     p.add_argument("--eval-every", type=int)
