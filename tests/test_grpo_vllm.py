@@ -23,7 +23,7 @@ from rolloutd.native_io.errors import RolloutdError
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_vllm.py"
 
 sys.path.insert(0, str(EXAMPLE.parent))
-from filecalc_policy import HEAD, Curriculum, Policy, _crop, demonstration  # noqa: E402
+from filecalc_policy import HEAD, Curriculum, Policy, _crop, demonstration, supervised_warm_start  # noqa: E402
 from grpo_vllm import fresh_enough, grpo_update  # noqa: E402
 
 
@@ -45,6 +45,20 @@ def test_the_warm_start_window_keeps_the_head_and_the_statement(short_tmp: Path)
         assert len({len(c.prompt) for c in cut}) == 1 and HEAD + 64 <= len(cut[0].prompt) <= len(demos[0].prompt)
         assert all(c.response == d.response and c.prompt[-64:] == d.prompt[-64:] for c, d in zip(cut, demos))
         assert len({c.prompt[HEAD] for c in cut}) == 1
+
+
+def test_a_warm_start_past_its_ceiling_is_undone(short_tmp: Path) -> None:
+    # Five steps on tails, then one on a window: any probability is over a ceiling of -1, so the
+    # weights must go back to the last check under the target (here: the start).
+    policy = Policy.fresh(short_tmp / "m", TinyModelSpec())
+    start = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    demos = [demonstration(policy.tokenizer, r) for r in generate(24)]
+    lines: list[str] = []
+    stats = supervised_warm_start(policy, demos[:16], demos[16:], target=0.5, ceiling=-1.0, lr=1e-2, batch=4,
+                                  max_steps=50, seed=0, curriculum=Curriculum(tail=64, tail_max_steps=0),
+                                  log=lines.append)
+    assert stats["sft_steps"] == 0 and any("back to step 0" in line for line in lines), lines
+    assert all(torch.equal(v, start[k]) for k, v in policy.model.state_dict().items())
 
 
 def test_stale_turns_are_refused() -> None:

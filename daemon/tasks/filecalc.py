@@ -50,9 +50,9 @@ ALL = Choices()
 OPERATOR_ONLY = Choices(files=("n.txt",), values=(10, 999), operands=(4, 4))
 """Only the operator varies in the command (2,970 instances): the learning demo's choices. From a
 random start a 0.56 M-parameter model learns the reply's format first and then sits at a saddle
-for each word it must copy from a 420-token prompt (attention is uniform, so the word reaches the
-reply at 1/420 strength); with all three words varying it stayed at chance (1/36) for hundreds of
-supervised steps, so RL had no reward to climb from."""
+for each word it must copy from the 420-token prompt (attention spread over the whole context);
+the demo's warm start forms the one copy on 30-token prompt tails (examples/filecalc_policy.py).
+With all three words varying the old warm start stayed at chance (1/36); not retried since."""
 
 
 def expected(record: dict[str, Any]) -> int:
