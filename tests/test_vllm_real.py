@@ -560,3 +560,12 @@ def test_a_turn_across_a_version_change_carries_both_versions(server: VLLMServer
         assert turn.straddled and [v for v, _, _ in turn.weight_spans] == ["before", "after"]
         assert turn.weight_spans[-1][2] == len(result.token_ids) == 3000
     run(scenario(), timeout_s=600)
+
+
+def test_a_server_not_ready_in_time_is_stopped_not_left_running(model_dir: Path) -> None:
+    # Its context manager's exit would never run: the failed start itself must stop it.
+    srv = VLLMServer(model_dir, max_model_len=WINDOW)
+    with pytest.raises(InferenceError, match="was not ready within"):
+        srv.start(timeout_s=1.0)
+    left = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline())]
+    assert not left, left

@@ -102,7 +102,13 @@ class VLLMServer:
             if log is not subprocess.DEVNULL:
                 log.close()
         if wait:
-            self.wait_ready(timeout_s)
+            try:
+                self.wait_ready(timeout_s)
+            except BaseException:
+                # A context manager's exit never runs when its entry fails (a time-out, a SIGTERM
+                # turned into SystemExit): the half-started server would be left running.
+                self.stop()
+                raise
         return self
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
