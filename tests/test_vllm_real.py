@@ -564,8 +564,9 @@ def test_a_turn_across_a_version_change_carries_both_versions(server: VLLMServer
 
 def test_a_server_not_ready_in_time_is_stopped_not_left_running(model_dir: Path) -> None:
     # Its context manager's exit would never run: the failed start itself must stop it.
+    before = set(psutil.Process().children(recursive=True))  # the module's server among them
     srv = VLLMServer(model_dir, max_model_len=WINDOW)
     with pytest.raises(InferenceError, match="was not ready within"):
         srv.start(timeout_s=1.0)
-    left = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline())]
+    left = set(psutil.Process().children(recursive=True)) - before
     assert not left, left
