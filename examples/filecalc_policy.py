@@ -222,13 +222,14 @@ def supervised_warm_start(policy: Policy, demos: list[Sequence], probe: list[Seq
             loss = -sum(lp[torch.from_numpy(d.mask.astype(bool))].sum() for d, lp in zip(chosen, lps)) / tokens
             loss.backward()
             optimizer.step()
+        tail_prob = oracle_probability(policy, tail_probe)
         if on_tail:
-            on_tail = oracle_probability(policy, tail_probe) < curriculum.tail_target and step < curriculum.tail_max_steps
+            on_tail = tail_prob < curriculum.tail_target and step < curriculum.tail_max_steps
             tail_steps = step
         # Only on whole prompts does the probability mean what the rollouts will see.
         prob = 0.0 if on_tail else oracle_probability(policy, probe)
         log(f"  sft step {step} ({'tail' if on_tail else 'windows'}): loss {loss.item():.3f}, P(oracle solve) "
-            f"on the whole-prompt probe {prob:.3f} (tail probe {oracle_probability(policy, tail_probe):.3f})")
+            f"on the whole-prompt probe {prob:.3f} (tail probe {tail_prob:.3f})")
         if prob > ceiling:
             state, back, prob = below
             policy.model.load_state_dict(state)

@@ -50,17 +50,17 @@ def _running(url: str) -> float:
     raise AssertionError(f"{url}/metrics has no vllm:num_requests_running")
 
 
-async def wait_running(url: str, call: asyncio.Task[object], count: int = 1) -> None:
-    """Waits until the server at ``url`` is decoding ``count`` requests (its Prometheus gauge)
-    while ``call``, the one that should be running there, goes on. A call that ends first fails
+async def wait_running(url: str, call: asyncio.Task[object]) -> None:
+    """Waits until the server at ``url`` is decoding a request (its Prometheus gauge) while
+    ``call``, the one that should be running there, goes on. A call that ends first fails
     the wait at once, saying how it ended: the gauge would never rise for it."""
     deadline = asyncio.get_running_loop().time() + RUNNING_WITHIN_S
-    while await asyncio.to_thread(_running, url) < count:
+    while await asyncio.to_thread(_running, url) < 1:
         if call.done():
             outcome = call.exception() or call.result()
             raise AssertionError(f"the call ended before {url} was seen running it: {outcome!r}")
         if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"{url} was not running {count} request(s) within {RUNNING_WITHIN_S} s "
+            raise TimeoutError(f"{url} was not running the call within {RUNNING_WITHIN_S} s "
                                f"(the call is still pending)")
         await asyncio.sleep(0.05)
 
