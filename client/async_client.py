@@ -35,6 +35,7 @@ from rolloutd.native_io.errors import (
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.run_dir import default_run_dir
 from rolloutd.native_io.trajectory import Trajectory, unpack_batch
+from rolloutd.native_io.unix_link import UnixLink
 from rolloutd.native_io.wire import (
     ExecuteResult,
     MsgType,
@@ -279,17 +280,38 @@ class AsyncRolloutClient(InferenceControl):
             await self.connect()
         if self._events is not None:
             self._events.catch_up()  # a disconnect seen before this call is not this call's
-        rid = request_id or f"{self._id_prefix}{next(self._ids)}"
+        rid = request_id or self._new_id()
         joined = self._waiters.get(rid)
         if joined is not None and not joined.done():
             return rid, joined  # the same id in flight: one request, its one answer for every caller
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
-        frames = framing.encode(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {},
-                                                  "arrays": self.array_transport, "client": self.client_name})
+        frames = self._request_frames(rid, op, args)
         if link is None or not await self._links.send(link, rid, frames):
             self._sock.send(frames)  # type: ignore[union-attr]  # connected above
         return rid, fut
+
+    def start_on_open_link(self, op: str, args: dict[str, Any], link: str,
+                           loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future[Reply], UnixLink] | None:
+        """Send a new request on the worker link at ``link`` now, if it is open, for a caller
+        whose event loop (``loop``) is not running: (its id, its answer, the link to read it
+        from with ``UnixLink.read_until``; then :meth:`finished`). None when nothing was sent."""
+        if self._sock is None:
+            return None
+        rid = self._new_id()
+        on = self._links.send_now(link, rid, self._request_frames(rid, op, args))
+        if on is None:
+            return None
+        fut: asyncio.Future[Reply] = loop.create_future()
+        self._waiters[rid] = fut
+        return rid, fut, on
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    def _request_frames(self, rid: str, op: str, args: dict[str, Any] | None) -> list[Any]:
+        return framing.encode(MsgType.REQUEST, {"id": rid, "op": op, "args": args or {},
+                                                "arrays": self.array_transport, "client": self.client_name})
 
     async def _wait(self, op: str, rid: str, fut: asyncio.Future[Reply], limit: float) -> Reply:
         # A bare timer on the future: asyncio.wait_for would wrap every call in a task.
@@ -298,14 +320,18 @@ class AsyncRolloutClient(InferenceControl):
             return await fut
         except _Expired:
             await self.cancel(rid)
-            raise OperationTimeout(f"{op} got no answer within {limit} s (timeout_s); it was cancelled") from None
+            raise timed_out(op, limit) from None
         except asyncio.CancelledError:
             await self.cancel(rid)
             raise
         finally:
             timer.cancel()
-            self._waiters.pop(rid, None)
-            self._links.done(rid)
+            self.finished(rid)
+
+    def finished(self, rid: str) -> None:
+        """The caller has taken ``rid``'s answer, or given up on it."""
+        self._waiters.pop(rid, None)
+        self._links.done(rid)
 
     # --- rollouts ----------------------------------------------------------------------------
 
@@ -406,9 +432,29 @@ class _Expired(Exception):
     pass
 
 
+def timed_out(op: str, limit: float) -> OperationTimeout:
+    return OperationTimeout(f"{op} got no answer within {limit} s (timeout_s); it was cancelled")
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_exception(_Expired())
+
+
+@dataclass(frozen=True)
+class CommandRequest:
+    """A sandbox command as sent: its op and args, how long its caller waits for the answer, and
+    the worker link it goes on (None: through the node)."""
+
+    op: str
+    args: dict[str, Any]
+    wait_s: float | None
+    link: str | None
+
+
+def _wait_s(timeout_s: float | None) -> float | None:
+    # The call's own deadline leaves the daemon time to interrupt the command and answer.
+    return None if timeout_s is None else timeout_s + 15.0
 
 
 class AsyncSandbox:
@@ -419,22 +465,25 @@ class AsyncSandbox:
         self.id: str = info["sandbox_id"]
         self.info = info
         self.closed = False
-        self._link: str | None = info.get("link") if client.worker_links else None
+        self.link: str | None = info.get("link") if client.worker_links else None
         """The socket of the worker that holds it (a client on the node): its commands go there."""
 
     async def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
-        # The call's own deadline leaves the daemon time to interrupt the command and answer.
-        wait = None if timeout_s is None else timeout_s + 15.0
-        reply = await self.client.request("sandbox.run", {"sandbox_id": self.id, "command": command,
-                                                          "timeout_s": timeout_s}, timeout_s=wait, link=self._link)
-        return CommandResult(**reply.result)
+        return CommandResult(**(await self._send(self.run_request(command, timeout_s))).result)
 
     async def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
-        wait = None if timeout_s is None else timeout_s + 15.0
-        reply = await self.client.request("sandbox.ipython", {"sandbox_id": self.id, "code": code,
-                                                              "timeout_s": timeout_s}, timeout_s=wait,
-                                          link=self._link)
-        return ExecuteResult(**reply.result)
+        return ExecuteResult(**(await self._send(self.ipython_request(code, timeout_s))).result)
+
+    async def _send(self, req: "CommandRequest") -> Reply:
+        return await self.client.request(req.op, req.args, timeout_s=req.wait_s, link=req.link)
+
+    def run_request(self, command: str, timeout_s: float | None) -> "CommandRequest":
+        return CommandRequest("sandbox.run", {"sandbox_id": self.id, "command": command, "timeout_s": timeout_s},
+                              _wait_s(timeout_s), self.link)
+
+    def ipython_request(self, code: str, timeout_s: float | None) -> "CommandRequest":
+        return CommandRequest("sandbox.ipython", {"sandbox_id": self.id, "code": code, "timeout_s": timeout_s},
+                              _wait_s(timeout_s), self.link)
 
     async def close(self) -> None:
         if not self.closed:

@@ -13,7 +13,15 @@ from typing import Any, TypeVar
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.wire import ExecuteResult
 
-from .async_client import AsyncRolloutClient, AsyncSandbox, Reply, RolloutRequest, RolloutResult
+from .async_client import (
+    AsyncRolloutClient,
+    AsyncSandbox,
+    CommandRequest,
+    Reply,
+    RolloutRequest,
+    RolloutResult,
+    timed_out,
+)
 
 T = TypeVar("T")
 
@@ -90,6 +98,26 @@ class RolloutClient:
     def open_sandbox(self, **kwargs: Any) -> "Sandbox":
         return Sandbox(self, self._run(self._async.open_sandbox(**kwargs)))
 
+    def _command(self, req: CommandRequest) -> Reply:
+        """A sandbox command; on its worker's open link, answered without entering the event loop
+        (``UnixLink.read_until``): the loop's round per call was a third of a command's latency."""
+        a = self._async
+        started = a.start_on_open_link(req.op, req.args, req.link, self._loop) if req.link else None
+        if started is None:
+            return self._run(a.request(req.op, req.args, timeout_s=req.wait_s, link=req.link))
+        rid, fut, link = started
+        limit = a.timeout_s if req.wait_s is None else req.wait_s
+        try:
+            if link.read_until(fut.done, limit):
+                return fut.result()
+            self._run(a.cancel(rid))
+            raise timed_out(req.op, limit)
+        except KeyboardInterrupt:
+            self._run(a.cancel(rid))
+            raise
+        finally:
+            a.finished(rid)
+
 
 class Sandbox:
     def __init__(self, client: RolloutClient, inner: AsyncSandbox) -> None:
@@ -99,10 +127,10 @@ class Sandbox:
         self.info = inner.info
 
     def run(self, command: str, *, timeout_s: float | None = None) -> CommandResult:
-        return self._client._run(self._inner.run(command, timeout_s=timeout_s))
+        return CommandResult(**self._client._command(self._inner.run_request(command, timeout_s)).result)
 
     def ipython(self, code: str, *, timeout_s: float | None = None) -> ExecuteResult:
-        return self._client._run(self._inner.ipython(code, timeout_s=timeout_s))
+        return ExecuteResult(**self._client._command(self._inner.ipython_request(code, timeout_s)).result)
 
     def close(self) -> None:
         self._client._run(self._inner.close())

@@ -36,17 +36,24 @@ class WorkerLinks:
 
     async def send(self, path: str, rid: str, frames: list[Any]) -> bool:
         """Send a request on the link at ``path``; False (nothing sent) when there is no link."""
+        if self.send_now(path, rid, frames) is not None:
+            return True
+        return await self._connect(path) is not None and self.send_now(path, rid, frames) is not None
+
+    def send_now(self, path: str, rid: str, frames: list[Any]) -> UnixLink | None:
+        """Send a request on the link at ``path`` if it is open (no connecting, so no event loop
+        needed); the link it went on, or None when nothing was sent."""
         link = self._links.get(path)
         if link is None or link.closed:
-            link = await self._connect(path)
-            if link is None:
-                return False
+            return None
         try:
             link.send(frames)
         except ConnectionError:
-            return False
+            return None
+        if link.closed:  # the send failed and closed it: nothing went
+            return None
         self._pending[rid] = path
-        return True
+        return link
 
     def cancel(self, rid: str, frames: list[Any]) -> bool:
         """Send a CANCEL on the link ``rid`` went on; False when it did not go on one."""

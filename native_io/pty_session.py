@@ -290,7 +290,8 @@ class PtySession:
 
         On timeout the command gets SIGINT; if the shell does not come back within
         ``interrupt_grace_s`` it is killed and respawned. Either way :class:`CommandTimeout` is
-        raised with the output so far in ``details["output"]``.
+        raised with the output so far in ``details["output"]``. A cancelled call interrupts its
+        command the same way before it returns.
         """
         async with self._lock:
             if not self.alive:
@@ -319,6 +320,12 @@ class PtySession:
                         details={"output": out, "truncated": truncated, "shell_restarted": restarted,
                                  "output_bytes": collector.total, "limit_s": timeout_s},
                     ) from None
+                except asyncio.CancelledError:
+                    # Its caller gave up (a cancelled request): the command must not hold the
+                    # shell for the next one, whose file its queued line would then source too.
+                    # A shell that ignores the ^C is killed; the next command starts another.
+                    await self._interrupt(respawn=False)
+                    raise
                 except _ShellExited as e:
                     rc = e.code
                     restarted = True
@@ -337,8 +344,9 @@ class PtySession:
                 shell_restarted=restarted,
             )
 
-    async def _interrupt(self) -> bool:
-        """SIGINT through the terminal; returns True when the shell had to be respawned."""
+    async def _interrupt(self, *, respawn: bool = True) -> bool:
+        """SIGINT through the terminal; returns True when the shell had to be killed (and, with
+        ``respawn``, started again)."""
         self._command_file.disarm()
         with contextlib.suppress(SessionError):
             self._write(b"\x03")
@@ -348,7 +356,8 @@ class PtySession:
         except (CommandTimeout, SessionError, _ShellExited):
             log.warning("shell %s ignored SIGINT; killing and respawning it", self.name)
             await self._kill()
-            await self._respawn()
+            if respawn:
+                await self._respawn()
             return True
 
     async def _respawn(self) -> None:

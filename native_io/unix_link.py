@@ -14,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import select
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -159,6 +162,23 @@ class UnixLink:
                 log.exception("error handling a message")
         if pos:
             del buf[:pos]
+
+    def read_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Read and handle this link's messages in the caller's thread, outside the event loop,
+        until ``done()`` or ``timeout_s``; whether done. For a blocking caller whose loop is not
+        running: a round of the loop per message (a task, the selector, the stop callback) costs
+        more than the message itself. A link that closes meanwhile ends the wait: its ``on_close``
+        has told the waiters."""
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        while not done() and not self.closed:
+            left_ms = math.ceil(1e3 * (deadline - time.monotonic()))
+            if left_ms <= 0:
+                return False
+            if poller.poll(left_ms):
+                self._on_readable()
+        return done()
 
     def _close(self) -> None:
         if self.closed:

@@ -20,6 +20,11 @@ from rolloutd.native_io.procfs import live_processes
 from rolloutd.native_io.pty_session import PtySession, PtyShellConfig, default_shell_argv
 
 from os_users import ensure_test_user
+from support.waits import async_wait_until
+
+STARTED_TIMEOUT_S = 10.0
+NEXT_COMMAND_TIMEOUT_S = 5.0
+"""For the command after a cancelled ``sleep 30``: far less than the sleep."""
 
 
 @pytest.fixture
@@ -97,6 +102,22 @@ async def test_timeout_ignoring_sigint_respawns_shell(lease: Lease) -> None:
     r = await lease.run('echo "alive:$KEEP"')
     assert r.output == "alive:\n"
     assert lease.shell.restarts == 1
+
+
+async def test_a_cancelled_command_is_interrupted_and_the_next_runs_once(lease: Lease) -> None:
+    # A cancelled request (its client gave up on it) must not leave its command holding the
+    # shell: the next command would wait behind it, and the cancelled command's queued line
+    # would source the next command's file a second time.
+    await lease.run("export KEEP=1")
+    running = asyncio.ensure_future(lease.run("sleep 30; echo late"))
+    await async_wait_until(lambda: any(p.comm == "sleep" and p.session == lease.shell.pid for p in live_processes()),
+                           STARTED_TIMEOUT_S, "the command's sleep running")
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    r = await asyncio.wait_for(lease.run('echo x >> n; wc -l < n; echo "$KEEP"'), NEXT_COMMAND_TIMEOUT_S)
+    assert r.output == "1\n1\n" and not r.shell_restarted
+    assert (await lease.run("cat n")).output == "x\n"
 
 
 async def test_exit_restarts_shell(lease: Lease) -> None:

@@ -1,25 +1,35 @@
 """A sandbox's commands on the link to the worker that holds it (daemon/node/client_links.py,
 client/worker_links.py): only for a client on the node, exactly once, only the commands of a
-lease, and every pending command answered when the node stops."""
+lease, and every pending command answered when the node stops. The blocking client reads its
+answers off the link without its event loop (UnixLink.read_until): there too a time-out or an
+interrupt cancels the command, and a dying worker fails it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from daemon_fixtures import CLI, node_daemon
-from support.waits import async_poll
+from support.waits import async_poll, wait_until
 from rolloutd.client.async_client import AsyncRolloutClient
-from rolloutd.native_io.errors import DuplicateRequest, ShuttingDown
+from rolloutd.client.sync_client import RolloutClient
+from rolloutd.native_io.errors import DuplicateRequest, OperationTimeout, ShuttingDown, WorkerLost
 
 STATS_TIMEOUT_S = 5.0
 """Workers report their counters once a second."""
 RAW_TIMEOUT_S = 10.0
+NEXT_COMMAND_TIMEOUT_S = 5.0
+"""How long the command after a cancelled ``sleep 30`` may take: far less than the sleep."""
 
 
 def raw_exchange(path: str, frames: list[bytes]) -> dict:
@@ -96,3 +106,76 @@ async def test_a_stopping_node_answers_what_runs_on_links(short_tmp: Path) -> No
             with pytest.raises(ShuttingDown):
                 await asyncio.wait_for(running, 30)
             assert await asyncio.wait_for(stop.wait(), 60) == 0
+
+
+def in_flight(address: str) -> int:
+    with RolloutClient(address) as c:
+        return c.status()["workers"][0]["in_flight"]
+
+
+def link_requests(client: RolloutClient) -> int:
+    return client.status()["workers"][0]["client_links"]["requests"]
+
+
+def test_the_blocking_client_reads_answers_off_the_link(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address) as c, c.open_sandbox(ipython=False) as sb:
+            assert sb.info["link"]
+            assert sb.run("echo 0").output == "0\n"  # opens the link, on the event loop
+            with monkeypatch.context() as m:
+                m.setattr(c, "_run", lambda coro: pytest.fail(f"the event loop was entered for {coro!r}"))
+                outputs = [sb.run(f"echo {i}").output for i in range(1, 20)]
+                assert sb.run("exit 3").exit_code == 3
+            assert outputs == [f"{i}\n" for i in range(1, 20)]
+            wait_until(lambda: link_requests(c) == 21, STATS_TIMEOUT_S, "the worker's count of 21 link requests")
+
+
+def test_the_blocking_client_cancels_a_command_it_gives_up_on(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address, timeout_s=1.0) as c, c.open_sandbox(ipython=False) as sb:
+            sb.run("true")  # the link is open: what follows takes the blocking path
+            with pytest.raises(OperationTimeout, match="sandbox.run got no answer within 1.0 s"):
+                sb.run("sleep 30")
+            # Within this client's 1 s: the shell is free, so the sleep was cancelled and stopped.
+            assert sb.run("echo next").output == "next\n"
+
+
+@contextmanager
+def interrupt_after(seconds: float) -> Iterator[None]:
+    """SIGINT's default effect, KeyboardInterrupt in the main thread, ``seconds`` from now."""
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_an_interrupted_blocking_command_is_cancelled(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address, timeout_s=NEXT_COMMAND_TIMEOUT_S) as c, c.open_sandbox(ipython=False) as sb:
+            sb.run("true")
+            with pytest.raises(KeyboardInterrupt), interrupt_after(0.5):
+                sb.run("sleep 30")
+            assert sb.run("echo next").output == "next\n"  # the sleep no longer holds the shell
+
+
+def test_a_blocking_command_fails_when_its_worker_dies(short_tmp: Path) -> None:
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        with RolloutClient(address) as c:
+            sb = c.open_sandbox(ipython=False)  # not closed: its worker dies with it
+            sb.run("true")
+            worker_pid = c.status()["workers"][0]["pid"]
+
+            def kill_once_running() -> None:
+                wait_until(lambda: in_flight(address) == 1, STATS_TIMEOUT_S, "the command running on the worker")
+                os.kill(worker_pid, signal.SIGKILL)
+
+            killer = threading.Thread(target=kill_once_running)
+            killer.start()
+            try:
+                with pytest.raises(WorkerLost, match="its link closed"):
+                    sb.run("sleep 30")
+            finally:
+                killer.join()
