@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -54,7 +55,7 @@ class TmuxShell:
         self.session = "bench"
         self.n = 0
         subprocess.run(["tmux", "-L", self.sock, "new-session", "-d", "-s", self.session, "-x", "250", "-y", "50",
-                        " ".join(argv)], check=True)
+                        shlex.join(argv)], check=True)
         self.run("stty -echo; PS1=''")
 
     def run(self, cmd: str) -> None:
