@@ -100,7 +100,8 @@ class RolloutClient:
 
     def _command(self, req: CommandRequest) -> Reply:
         """A sandbox command; on its worker's open link, answered without entering the event loop
-        (``UnixLink.read_until``): the loop's round per call was a third of a command's latency."""
+        (``UnixLink.read_until``): the loop's rounds for a call cost about as much client CPU as
+        the rest of it (~70 of ~150 us a command)."""
         a = self._async
         started = a.start_on_open_link(req.op, req.args, req.link, self._loop) if req.link else None
         if started is None:

@@ -324,7 +324,8 @@ class PtySession:
                     # Its caller gave up (a cancelled request): the command must not hold the
                     # shell for the next one, whose file its queued line would then source too.
                     # A shell that ignores the ^C is killed; the next command starts another.
-                    await self._interrupt(respawn=False)
+                    if self.alive:
+                        await self._interrupt(respawn=False)
                     raise
                 except _ShellExited as e:
                     rc = e.code
@@ -354,7 +355,7 @@ class PtySession:
             await self._roundtrip(":", timeout=self.config.interrupt_grace_s)
             return False
         except (CommandTimeout, SessionError, _ShellExited):
-            log.warning("shell %s ignored SIGINT; killing and respawning it", self.name)
+            log.warning("shell %s ignored SIGINT; killing%s it", self.name, " and respawning" if respawn else "")
             await self._kill()
             if respawn:
                 await self._respawn()
