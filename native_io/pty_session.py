@@ -321,9 +321,8 @@ class PtySession:
                                  "output_bytes": collector.total, "limit_s": timeout_s},
                     ) from None
                 except asyncio.CancelledError:
-                    # Its caller gave up (a cancelled request): the command must not hold the
-                    # shell for the next one, whose file its queued line would then source too.
-                    # A shell that ignores the ^C is killed; the next command starts another.
+                    # Its caller gave up: the command must not hold the shell for the next one
+                    # (nor its queued line source the next one's file). Killed if it ignores ^C.
                     if self.alive:
                         await self._interrupt(respawn=False)
                     raise

@@ -165,7 +165,7 @@ def test_the_graph_is_read() -> None:
     """The reader finds the imports it judges: a known edge of each kind is there."""
     graph = import_graph()
     assert "native_io.wire" in graph["daemon.node.supervisor"]
-    assert "native_io.trajectory" in graph["client.async_client"]
+    assert "native_io.trajectory" in graph["client.rollout_calls"]
     assert "daemon.node.supervisor" in graph["cli.node"]
     assert len(graph) > 80
 

@@ -142,14 +142,15 @@ def test_the_blocking_client_cancels_a_command_it_gives_up_on(short_tmp: Path) -
 
 @contextmanager
 def interrupt_after(seconds: float) -> Iterator[None]:
-    """SIGINT's default effect, KeyboardInterrupt in the main thread, ``seconds`` from now."""
-    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    """A ^C (SIGINT to this process: KeyboardInterrupt in the main thread) ``seconds`` from now.
+    Not SIGALRM: pytest-timeout's own timer is the interval timer."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        timer.cancel()
+        timer.join()
 
 
 def test_an_interrupted_blocking_command_is_cancelled(short_tmp: Path) -> None:
