@@ -29,8 +29,8 @@ STATS_TIMEOUT_S = 5.0
 """Workers report their counters once a second."""
 RAW_TIMEOUT_S = 10.0
 NEXT_COMMAND_TIMEOUT_S = 1.0
-"""The limit of the command after a cancelled ``sleep 30``; its caller waits 15 s more (see
-AsyncSandbox.run), half the sleep: it fails if the sleep still holds the shell."""
+"""The limit of the command after a cancelled ``sleep 30``; its caller waits 15 s more (``_wait_s``
+in client/async_client.py), half the sleep: it fails if the sleep still holds the shell."""
 
 
 def raw_exchange(path: str, frames: list[bytes]) -> dict:
