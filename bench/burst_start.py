@@ -72,8 +72,7 @@ async def bare(backend: ApptainerBackend, n: int, concurrency: int) -> dict[str,
     sandboxes: list[ApptainerSandbox] = [backend.create(SPEC) for _ in range(n)]
     for sb in sandboxes:
         sb.prepare_host()
-    argvs = [sb._start_argv(image) if sb.cgroup is None else sb.cgroup.join_argv(sb._start_argv(image))
-             for sb in sandboxes]
+    argvs = [sb.in_cgroup(sb._start_argv(image)) for sb in sandboxes]
     env = backend.env()
 
     def start(k: int) -> int:

@@ -46,10 +46,7 @@ class WorkerLinks:
         link = self._links.get(path)
         if link is None or link.closed:
             return None
-        try:
-            link.send(frames)
-        except ConnectionError:
-            return None
+        link.send(frames)  # raises only on a closed link, ruled out above
         if link.closed:  # the send failed and closed it: nothing went
             return None
         self._pending[rid] = path

@@ -113,9 +113,7 @@ class ApptainerSandbox(Sandbox):
     async def start(self) -> None:
         self.prepare_host()
         self.image_path = await resolve_image(self.spec.image)
-        argv = self._start_argv(self.image_path)
-        if self.cgroup is not None:  # the instance's init, and what it starts, in the sandbox's cgroup
-            argv = self.cgroup.join_argv(argv)
+        argv = self.in_cgroup(self._start_argv(self.image_path))
         if self.background:
             argv = ["nice", "-n", "10", *argv]
         # Output goes to a file, not a pipe: the instance's daemon inherits the start command's

@@ -197,8 +197,11 @@ class Sandbox(abc.ABC):
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
         """The host command line that runs ``argv`` inside the sandbox (and its memory cgroup)."""
-        inside = self._exec_argv(argv, cwd=cwd, env=env)
-        return inside if self.cgroup is None else self.cgroup.join_argv(inside)
+        return self.in_cgroup(self._exec_argv(argv, cwd=cwd, env=env))
+
+    def in_cgroup(self, argv: list[str]) -> list[str]:
+        """``argv`` started in the sandbox's memory cgroup, where it has one (what it starts stays there)."""
+        return argv if self.cgroup is None else self.cgroup.join_argv(argv)
 
     @abc.abstractmethod
     def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
