@@ -53,6 +53,7 @@ HEARTBEAT_TIMEOUT_MS = 10000
 I/O thread answers even while the daemon's event loop is busy, so load does not trip it)."""
 SANDBOX_CLOSE_TIMEOUT_S = 60.0
 """Closing a sandbox stops its processes and resets it: seconds, even on a busy node."""
+_ANSWER_TYPES = frozenset({MsgType.REPLY, MsgType.ERROR})
 
 
 def default_address() -> str:
@@ -169,8 +170,7 @@ class AsyncRolloutClient(InferenceControl, RolloutCalls):
 
     def _on_message(self, frames: list[Any]) -> None:
         try:
-            msg_type, header, buffers = framing.decode(
-                frames, max_bytes=1 << 62, known_types=frozenset({MsgType.REPLY, MsgType.ERROR}))
+            msg_type, header, buffers = framing.decode(frames, max_bytes=1 << 62, known_types=_ANSWER_TYPES)
         except RolloutdError:
             return
         fut = self._waiters.pop(header.get("id", ""), None)
@@ -310,7 +310,9 @@ class AsyncRolloutClient(InferenceControl, RolloutCalls):
 def _reply(header: dict[str, Any], buffers: list[Any], maps: shm.SegmentMaps, held: set[str]) -> Reply:
     """A REPLY's result and arrays: raw frames, or mapped from shared memory (whose segments
     join ``held`` until released)."""
-    refs = [framing.ArrayRef.from_wire(r) for r in header.get("refs", [])]
+    if not header.get("refs"):  # most answers: a command's, a status
+        return Reply(header.get("result") or {}, {}, [])
+    refs = [framing.ArrayRef.from_wire(r) for r in header["refs"]]
     shm_refs = [r for r in refs if r.segment is not None]
     arrays = framing.arrays_from_frames([r for r in refs if r.segment is None], buffers)
     segments = sorted({r.segment for r in shm_refs if r.segment})

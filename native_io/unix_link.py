@@ -57,6 +57,8 @@ class UnixLink:
         self._chunk = memoryview(bytearray(READ_CHUNK))
         self._pending: deque[memoryview] = deque()
         self._writing = False
+        self._poller: select.poll | None = None
+        """For :meth:`read_until`, made on its first call."""
         self.closed = False
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -149,8 +151,9 @@ class UnixLink:
             end = lens_end + sum(lengths)
             if len(buf) < end:
                 break
-            # Frames are copied out of the read buffer once (it is reused for the next messages).
-            data = bytes(buf[lens_end:end])
+            # Frames are copied out of the read buffer once (it is reused for the next messages);
+            # through a view, since a slice of a bytearray is a copy of its own.
+            data = bytes(memoryview(buf)[lens_end:end])
             view, frames, off = memoryview(data), [], 0
             for n in lengths:
                 frames.append(view[off : off + n])
@@ -170,8 +173,10 @@ class UnixLink:
         more than the message itself. A link that closes meanwhile ends the wait: its ``on_close``
         has told the waiters."""
         deadline = time.monotonic() + timeout_s
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock.fileno(), select.POLLIN)
+        poller = self._poller
         while not done() and not self.closed:
             left_ms = math.ceil(1e3 * (deadline - time.monotonic()))
             if left_ms <= 0:

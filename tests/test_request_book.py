@@ -8,9 +8,12 @@ from typing import Any
 
 import pytest
 
+from rolloutd.daemon.common import request_book
 from rolloutd.daemon.common.request_book import (
-    Accepted,
+    FINGERPRINT_FRAME_MAX_BYTES,
     MAX_ID_LEN,
+    Accepted,
+    Fingerprint,
     RequestBook,
     as_bytes,
     checked_id,
@@ -133,17 +136,27 @@ def test_frames_of_every_kind_count_and_size() -> None:
     assert [nbytes(memoryview(f)) for f in data] == [len(f) for f in data]
 
 
-def test_a_reused_id_asking_something_else_is_refused_naming_the_field(book: Any) -> None:
+def fingerprint_of(header: dict[str, Any]) -> Fingerprint:
+    return fingerprint(header, framing.pack_header(header))
+
+
+@pytest.mark.parametrize("frame_max", [FINGERPRINT_FRAME_MAX_BYTES, 0], ids=["frame kept", "digested at once"])
+def test_a_reused_id_asking_something_else_is_refused_naming_the_field(book: Any, frame_max: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(request_book, "FINGERPRINT_FRAME_MAX_BYTES", frame_max)
     b, out, _ = book
-    asked = fingerprint({"op": "debug.sleep", "args": {"seconds": 1, "n_tokens": 4}})
-    other = fingerprint({"op": "debug.sleep", "args": {"seconds": 2, "n_tokens": 4}})
+    asked = fingerprint_of({"id": "r1", "op": "debug.sleep", "args": {"seconds": 1, "n_tokens": 4}})
+    other = fingerprint_of({"id": "r1", "op": "debug.sleep", "args": {"seconds": 2, "n_tokens": 4}})
     p = Accepted(rid="r1", client=b"c1", socket=None, op="debug.sleep", frames=[], fingerprint=asked)
     b.open(p)
     assert b.repeat("r1", b"c1", None, asked=other)  # in flight
-    assert b.repeat("r1", b"c2", None, asked=dict(asked))  # the same request: joins
+    # The same request, sent with its fields in another order: joins
+    assert b.repeat("r1", b"c2", None, asked=fingerprint_of(
+        {"args": {"n_tokens": 4, "seconds": 1}, "op": "debug.sleep", "id": "r1"}))
     answer(b, p, reply("r1"))
     assert b.repeat("r1", b"c1", None, asked=other)  # answered
-    assert b.repeat("r1", b"c1", None, asked={**asked, "op": other["args.seconds"]})
+    assert b.repeat("r1", b"c1", None, asked=fingerprint_of({"id": "r1", "op": "debug.sleep2",
+                                                              "args": {"seconds": 1, "n_tokens": 4}}))
     kinds = [(c, t, h.get("code"), "args.seconds" in h.get("message", "")) for c, t, h in out.sent]
     assert kinds[0] == (b"c1", MsgType.ERROR, "DUPLICATE_REQUEST", True), "refused while in flight"
     assert kinds[1:3] == [(b"c1", MsgType.REPLY, None, False), (b"c2", MsgType.REPLY, None, False)]

@@ -97,7 +97,7 @@ class ClientLinks:
             if rid in self.book:  # only this link's own requests
                 self._cancel(rid)
             return
-        asked = fingerprint(header)
+        asked = fingerprint(header, frames[1])
         if self.book.repeat(rid, b"", link, asked=asked):  # type: ignore[arg-type]
             return
         self.counters["requests"] += 1

@@ -73,7 +73,7 @@ class RequestFlow:
 
     def accept(self, sock: LoopSocket | None, client: bytes, pid: int | None, is_tcp: bool, rid: str,
                header: dict[str, Any], frames: list[Any], status: Callable[[], dict[str, Any]]) -> None:
-        asked = fingerprint(header)
+        asked = fingerprint(header, frames[1])
         if self.book.repeat(rid, client, sock, asked=asked):
             return
         try:

@@ -79,7 +79,7 @@ class RequestFlow:
         except RolloutdError as e:
             self._send(sock, client, error_frames(rid, e))
             return
-        asked = fingerprint(header)
+        asked = fingerprint(header, frames[1])
         if self.book.repeat(key, client, sock, rid=rid, asked=asked):
             return
         try:
