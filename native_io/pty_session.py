@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from .spawn import Child, spawn_pty
 
 log = logging.getLogger(__name__)
 
+_READ_SIZE = 1 << 16
 _SENTINEL_RE = re.compile(rb"\x1eRLD([0-9a-f]{16}):(-?\d+)\x1e\n")
 # Longest tail that can still be the start of a sentinel: \x1eRLD + 16 hex + : + rc + \x1e\n
 _SENTINEL_HOLD = 4 + 16 + 1 + 12 + 2
@@ -82,14 +84,18 @@ class CommandFile:
     def __init__(self, folder: Path) -> None:
         self._folder = folder
         self._fd: int | None = None
+        self._size = 0
 
     def write(self, payload: bytes) -> None:
         # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
         # with discard, more than the whole command round trip.
         if self._fd is None:
-            self._fd = self._open(_COMMAND_FILE)
+            self._fd = self._open(_COMMAND_FILE, truncate=True)
+            self._size = 0
         os.pwrite(self._fd, payload, 0)
-        os.ftruncate(self._fd, len(payload))
+        if len(payload) < self._size:  # a longer or equal payload covers the last one whole
+            os.ftruncate(self._fd, len(payload))
+        self._size = len(payload)
 
     def disarm(self) -> None:
         # On a loaded node the ^C can land before the shell has read the line that sources the
@@ -103,6 +109,7 @@ class CommandFile:
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
+        self._size = 0
 
     def _open(self, name: str, *, truncate: bool = False) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
@@ -128,6 +135,11 @@ class PtySession:
         self._collector: OutputCollector | None = None
         self._waiter: asyncio.Future[int] | None = None
         self._token = ""
+        # Each command's sentinel carries a token of its own, so a late sentinel (of a command
+        # that was interrupted) never ends the next one: this session's random half, then a count
+        # (a random token per command cost a getrandom(2) each).
+        self._token_key = secrets.token_hex(4)
+        self._tokens = itertools.count()
         self._lock = asyncio.Lock()
         self._command_file = CommandFile(config.command_dir_host)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -220,7 +232,7 @@ class PtySession:
         assert self._fd is not None and self._loop is not None
         while True:
             try:
-                chunk = os.read(self._fd, 1 << 16)
+                chunk = os.read(self._fd, _READ_SIZE)
             except BlockingIOError:
                 return
             except OSError:  # EIO: the shell side of the PTY is closed
@@ -230,6 +242,8 @@ class PtySession:
             if not chunk:
                 return
             self._feed(chunk)
+            if len(chunk) < _READ_SIZE:  # all there was: a read more would only say EAGAIN
+                return
 
     def _feed(self, chunk: bytes) -> None:
         self._scan += chunk
@@ -269,7 +283,7 @@ class PtySession:
         assert self._loop is not None
         if not self.alive:
             raise SessionError(f"shell {self.name!r} is not running")
-        self._token = secrets.token_hex(8)
+        self._token = f"{self._token_key}{next(self._tokens) & 0xFFFFFFFF:08x}"
         waiter = self._waiter = self._loop.create_future()
         suffix = f"printf '\\036RLD{self._token}:%d\\036\\n' $?"
         self._write(f"{line}\n{suffix}\n".encode())

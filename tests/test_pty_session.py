@@ -85,6 +85,14 @@ async def test_long_command_text(lease: Lease) -> None:
     assert r.output.strip() == "20001"
 
 
+async def test_a_shorter_command_runs_alone_after_a_longer_one(lease: Lease) -> None:
+    # The command file is rewritten in place: nothing of the longer command may be left after it.
+    assert (await lease.run("echo first; echo and-a-long-tail-that-must-not-run-again")).exit_code == 0
+    r = await lease.run("echo b")
+    assert (r.output, r.exit_code) == ("b\n", 0)
+    assert (await lease.run("echo first; echo x")).output == "first\nx\n"
+
+
 async def test_timeout_interrupts_and_shell_survives(lease: Lease) -> None:
     await lease.run("export KEEP=1")
     with pytest.raises(CommandTimeout) as e:

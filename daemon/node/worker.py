@@ -78,6 +78,8 @@ class Worker:
         self.state_dir = state_dir
         self.link_fd = link_fd
         self.link: UnixLink | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The running loop, once serving: asyncio.get_running_loop() costs a getpid(2) per call."""
         self.client_listener = clients
         self.supervisor_gone = False  # it died (its link closed, or DEATH_SIGNAL), not a stop it asked for
         self.client_links: ClientLinks | None = None
@@ -146,6 +148,7 @@ class Worker:
             self.supervisor_gone = True
             stopping.set()
 
+        self.loop = loop = asyncio.get_running_loop()
         self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=supervisor_died)
         await self.pool.start()
         await self._start_pipeline()
@@ -154,7 +157,6 @@ class Worker:
                                             config=self.config, start=self.start_request, cancel=self.cancel)
         self.send(MsgType.HELLO, {"index": self.index, "pid": os.getpid(), "generation": self.generation,
                                   "census": self.backend.census_kind})
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
         loop.add_signal_handler(DEATH_SIGNAL, supervisor_died)
@@ -212,7 +214,8 @@ class Worker:
         if rid in self.tasks:  # the same id from the supervisor and a client link: run once
             _send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
             return
-        task = asyncio.get_running_loop().create_task(self._handle(rid, header, buffers, answer))
+        assert self.loop is not None  # requests come from the links, which serve() opens
+        task = self.loop.create_task(self._handle(rid, header, buffers, answer))
         self.tasks[rid] = task
         task.add_done_callback(functools.partial(self._finished, rid, answer))
 
