@@ -121,6 +121,31 @@ class CommandFile:
             self._fd = None
 
 
+class SentinelTokens:
+    """Each command's sentinel carries a token of its own, so a late sentinel (of a command that was
+    interrupted) never ends the next one: the session's random half, then a count (a random token
+    per command cost a getrandom(2) each)."""
+
+    def __init__(self) -> None:
+        self._key = secrets.token_hex(4)
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._key}{next(self._count) & 0xFFFFFFFF:08x}"
+
+
+def _write_all(fd: int | None, data: bytes, name: str) -> None:
+    assert fd is not None
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            # The line is tiny; a full PTY input queue means the shell is wedged.
+            raise SessionError(f"shell {name!r} is not reading its input") from None
+        view = view[n:]
+
+
 class PtySession:
     """One persistent shell. Commands run one at a time (a lock serialises callers)."""
 
@@ -135,11 +160,7 @@ class PtySession:
         self._collector: OutputCollector | None = None
         self._waiter: asyncio.Future[int] | None = None
         self._token = ""
-        # Each command's sentinel carries a token of its own, so a late sentinel (of a command
-        # that was interrupted) never ends the next one: this session's random half, then a count
-        # (a random token per command cost a getrandom(2) each).
-        self._token_key = secrets.token_hex(4)
-        self._tokens = itertools.count()
+        self._tokens = SentinelTokens()
         self._lock = asyncio.Lock()
         self._command_file = CommandFile(config.command_dir_host)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -242,7 +263,7 @@ class PtySession:
             if not chunk:
                 return
             self._feed(chunk)
-            if len(chunk) < _READ_SIZE:  # all there was: a read more would only say EAGAIN
+            if len(chunk) < _READ_SIZE:  # all there was; more wakes the loop's reader again
                 return
 
     def _feed(self, chunk: bytes) -> None:
@@ -267,26 +288,15 @@ class PtySession:
                 self._collector.add(memoryview(self._scan)[:cut])
             del self._scan[:cut]
 
-    def _write(self, data: bytes) -> None:
-        assert self._fd is not None
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(self._fd, view)
-            except BlockingIOError:
-                # The line is tiny; a full PTY input queue means the shell is wedged.
-                raise SessionError(f"shell {self.name!r} is not reading its input") from None
-            view = view[n:]
-
     async def _roundtrip(self, line: str, *, timeout: float) -> int:
         """Send one control line followed by a sentinel and wait for the sentinel's exit code."""
         assert self._loop is not None
         if not self.alive:
             raise SessionError(f"shell {self.name!r} is not running")
-        self._token = f"{self._token_key}{next(self._tokens) & 0xFFFFFFFF:08x}"
+        self._token = self._tokens.next()
         waiter = self._waiter = self._loop.create_future()
         suffix = f"printf '\\036RLD{self._token}:%d\\036\\n' $?"
-        self._write(f"{line}\n{suffix}\n".encode())
+        _write_all(self._fd, f"{line}\n{suffix}\n".encode(), self.name)
         # A bare timer on the future: asyncio.wait_for would wrap it in a task per command.
         timer = self._loop.call_later(timeout, _expire, waiter)
         try:
@@ -316,6 +326,9 @@ class PtySession:
             self._command_file.write(payload)
             shell_path = f"{self.config.command_dir_shell}/{_COMMAND_FILE}"
             collector = OutputCollector(self.config.max_output_bytes)
+            # What the shell wrote since the last command ended (a late notice after its sentinel,
+            # a background job) may still sit in the terminal, unread: it is not this command's.
+            self._on_readable()
             self._scan.clear()
             self._collector = collector
             t0 = time.monotonic()
@@ -363,7 +376,7 @@ class PtySession:
         ``respawn``, started again)."""
         self._command_file.disarm()
         with contextlib.suppress(SessionError):
-            self._write(b"\x03")
+            _write_all(self._fd, b"\x03", self.name)
         try:
             await self._roundtrip(":", timeout=self.config.interrupt_grace_s)
             return False

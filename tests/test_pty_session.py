@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -23,6 +24,7 @@ from os_users import ensure_test_user
 from support.waits import async_wait_until
 
 STARTED_TIMEOUT_S = 10.0
+LATE_OUTPUT_TIMEOUT_S = 10.0
 NEXT_COMMAND_TIMEOUT_S = 15.0
 """For the command after a cancelled ``sleep 30``: half the sleep, room for a loaded machine."""
 
@@ -91,6 +93,17 @@ async def test_a_shorter_command_runs_alone_after_a_longer_one(lease: Lease) -> 
     r = await lease.run("echo b")
     assert (r.output, r.exit_code) == ("b\n", 0)
     assert (await lease.run("echo first; echo x")).output == "first\nx\n"
+
+
+async def test_output_written_between_commands_is_not_the_next_ones(lease: Lease) -> None:
+    # A background job writes after its command ended; the next command is sent before the loop
+    # has read that (select waits here without running the loop): it must not get it.
+    assert (await lease.run("(sleep 0.2; echo late) &")).exit_code == 0
+    fd = lease.shell._fd
+    assert fd is not None
+    readable, _, _ = select.select([fd], [], [], LATE_OUTPUT_TIMEOUT_S)
+    assert readable, f"the background job wrote nothing within {LATE_OUTPUT_TIMEOUT_S} s"
+    assert (await lease.run("echo next")).output == "next\n"
 
 
 async def test_timeout_interrupts_and_shell_survives(lease: Lease) -> None:
