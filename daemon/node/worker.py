@@ -100,7 +100,7 @@ class Worker:
             "sandbox.run": self._sandbox_run,
             "sandbox.ipython": self._sandbox_ipython,
             "sandbox.close": self._sandbox_close,
-            "debug.make_arrays": self._make_arrays,
+            "debug.make_arrays": _make_arrays,
             "rollout": self._rollout,
             "inference.add_server": self._inference_op,
             "inference.remove_server": self._inference_op,
@@ -153,11 +153,7 @@ class Worker:
         self.link = UnixLink(socket.socket(fileno=self.link_fd), self._on_message, on_close=supervisor_died)
         await self.pool.start()
         await self._start_pipeline()
-        # What start-up made (modules, the tokenizer: ~95k objects) lives as long as the worker; a
-        # full collection scanned it all again (~50 ms of CPU, every sandbox's I/O on this worker
-        # waiting), so it goes where the collector no longer looks.
-        gc.collect()
-        gc.freeze()
+        _freeze_start_up()
         if self.client_listener is not None:
             self.client_links = ClientLinks(self.client_listener.sock, allowed_uids=self.client_listener.allowed_uids,
                                             config=self.config, start=self.start_request, cancel=self.cancel)
@@ -311,20 +307,29 @@ class Worker:
         assert self.pipeline is not None
         return await apply_inference_op(self.pipeline.inference, header["op"], args), {}
 
-    async def _make_arrays(self, args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        per = max(1, args.n_tokens // max(1, args.n_trajectories))
-        arrays = _synthetic_batch(per, args.n_trajectories)
-        result: dict[str, Any] = {"n_trajectories": args.n_trajectories, "tokens_each": per}
-        if args.encoding == "msgpack":
-            return {**result, "embedded": {k: v.tolist() for k, v in arrays.items()}}, {}
-        if args.encoding == "pickle":
-            return result, {"pickle": np.frombuffer(pickle.dumps(arrays, protocol=5), dtype=np.uint8)}
-        return result, arrays
-
     async def _sleep(self, args: SleepArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         await asyncio.sleep(args.seconds)
         arrays = _synthetic_batch(args.n_tokens, 1) if args.n_tokens > 0 else {}
         return {"run_dir": str(self.config.run_path), "worker_pid": os.getpid()}, arrays
+
+
+async def _make_arrays(args: MakeArraysArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    per = max(1, args.n_tokens // max(1, args.n_trajectories))
+    arrays = _synthetic_batch(per, args.n_trajectories)
+    result: dict[str, Any] = {"n_trajectories": args.n_trajectories, "tokens_each": per}
+    if args.encoding == "msgpack":
+        return {**result, "embedded": {k: v.tolist() for k, v in arrays.items()}}, {}
+    if args.encoding == "pickle":
+        return result, {"pickle": np.frombuffer(pickle.dumps(arrays, protocol=5), dtype=np.uint8)}
+    return result, arrays
+
+
+def _freeze_start_up() -> None:
+    """What start-up made (modules, the tokenizer: ~95k objects) lives as long as the worker; a
+    full collection scanned it all again (~50 ms of CPU, every sandbox's I/O on this worker
+    waiting), so it goes where the collector no longer looks."""
+    gc.collect()
+    gc.freeze()
 
 
 @functools.lru_cache(maxsize=4)
