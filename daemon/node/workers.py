@@ -67,6 +67,10 @@ class Workers:
         self.handles = {i: WorkerHandle(i, restart_delay_s=config.worker_restart_delay_s)
                         for i in range(config.worker_count)}
         self.stopping = False
+        self._spawning = asyncio.Lock()
+        """Held from a start's check of ``stopping`` until its process is recorded, and by
+        :meth:`stop` while it sets ``stopping``: a restart under way when a stop comes either
+        finishes first (the stop then ends it too) or does not start at all."""
         self.memory_cgroup: Path | None = None
         """The memory cgroup folder handed to the sandbox user's workers (a root daemon's)."""
         self.client_uids = {os.getuid(), 0}
@@ -130,48 +134,59 @@ class Workers:
                 raise RolloutdError(f"workers did not start within {timeout_s} s; see the daemon log")
             await asyncio.sleep(READY_POLL_S)
 
+    def _clients_path(self, w: WorkerHandle) -> Path:
+        return self.config.run_path / f"w{w.index}-{w.generation}.sock"
+
+    async def _spawn(self, w: WorkerHandle) -> tuple[asyncio.subprocess.Process, socket.socket]:
+        """Start ``w``'s process (also ``w.proc``), and the supervisor's end of its link."""
+        env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
+        if self.memory_cgroup is not None:
+            env[cgroups.CGROUP_ENV] = str(self.memory_cgroup)
+        state = self.state_dir(w.index)
+        await asyncio.to_thread(reap_state_dir, state)
+        state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        own_folder(state, self.sandbox_user)
+        if self.sandbox_user is not None:
+            # Root's home is closed to that user: tools get a home of their own, and the image
+            # cache is named, not found through $HOME.
+            env.update(HOME=str(state), ROLLOUTD_CACHE_DIR=str(cache_dir()))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        clients_path = self._clients_path(w)
+        clients = bind_client_listener(clients_path)
+        argv = [sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
+                "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
+                "--state-dir", str(state), "--shm-prefix", self.shm_prefix_of(w)]
+        fds = [theirs.fileno()]
+        if clients is not None:
+            argv += ["--client-fd", str(clients.fileno()), "--client-path", str(clients_path),
+                     "--client-uids", ",".join(map(str, sorted(self.client_uids)))]
+            fds.append(clients.fileno())
+        try:
+            w.proc = proc = await asyncio.create_subprocess_exec(
+                *self._as_workers_user(argv), env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=fds, cwd="/")
+        finally:
+            theirs.close()
+            if clients is not None:
+                clients.close()  # the worker's now: its death closes the socket for every client
+        return proc, ours
+
     async def run(self, w: WorkerHandle) -> None:
         """Start the worker, and restart it whenever it dies, until shutdown."""
-        while not self.stopping:
-            env = {**os.environ, "ROLLOUTD_NODE_CONFIG_JSON": self.config.to_json()}
-            if self.memory_cgroup is not None:
-                env[cgroups.CGROUP_ENV] = str(self.memory_cgroup)
-            state = self.state_dir(w.index)
-            await asyncio.to_thread(reap_state_dir, state)
-            state.mkdir(mode=0o700, parents=True, exist_ok=True)
-            own_folder(state, self.sandbox_user)
-            if self.sandbox_user is not None:
-                # Root's home is closed to that user: tools get a home of their own, and the image
-                # cache is named, not found through $HOME.
-                env.update(HOME=str(state), ROLLOUTD_CACHE_DIR=str(cache_dir()))
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            clients_path = self.config.run_path / f"w{w.index}-{w.generation}.sock"
-            clients = bind_client_listener(clients_path)
-            argv = [sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
-                    "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
-                    "--state-dir", str(state), "--shm-prefix", self.shm_prefix_of(w)]
-            fds = [theirs.fileno()]
-            if clients is not None:
-                argv += ["--client-fd", str(clients.fileno()), "--client-path", str(clients_path),
-                         "--client-uids", ",".join(map(str, sorted(self.client_uids)))]
-                fds.append(clients.fileno())
-            try:
-                w.proc = await asyncio.create_subprocess_exec(
-                    *self._as_workers_user(argv), env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=fds, cwd="/")
-            finally:
-                theirs.close()
-                if clients is not None:
-                    clients.close()  # the worker's now: its death closes the socket for every client
+        while True:
+            async with self._spawning:
+                if self.stopping:
+                    return
+                proc, ours = await self._spawn(w)
             w.link = UnixLink(ours, lambda frames, w=w: self._on_message(w, frames))
             started = time.monotonic()
-            code = await w.proc.wait()
+            code = await proc.wait()
             w.ready = False
             w.link.close()
             with contextlib.suppress(FileNotFoundError):
-                clients_path.unlink()
+                self._clients_path(w).unlink()
             if self.stopping:
                 return
-            log.error("worker %d (pid %d) exited with %s; restarting", w.index, w.proc.pid, code)
+            log.error("worker %d (pid %d) exited with %s; restarting", w.index, proc.pid, code)
             self._on_died(w)
             if time.monotonic() - started > STABLE_RUN_S:
                 w.restart_delay_s = self.config.worker_restart_delay_s
@@ -182,7 +197,8 @@ class Workers:
 
     async def stop(self) -> None:
         """SIGTERM to every worker, SIGKILL after ``shutdown_timeout_s``; then reap their sandboxes."""
-        self.stopping = True
+        async with self._spawning:
+            self.stopping = True
         procs = [w.proc for w in self.handles.values() if w.proc and w.proc.returncode is None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
