@@ -197,7 +197,11 @@ async def test_a_fork_that_fails_ends_the_command_not_the_session() -> None:
         r = await shell.run("/bin/true; echo unreachable", timeout_s=FORK_FAILS_WITHIN_S + 60)
         assert r.exit_code != 0 and "bash: fork: Resource temporarily unavailable" in r.output, r
         assert r.duration_s < FORK_FAILS_WITHIN_S, r
-        assert (await shell.run("echo still here", timeout_s=10)).output == "still here\n"
+        # The session goes on. bash may report on the failed job while it runs the next command
+        # ("bash: wait_for: No record of process N", 2 runs in 16 beside CPU burners): its own
+        # notice, printed during that command, so that command's output.
+        lines = (await shell.run("echo still here", timeout_s=10)).output.splitlines()
+        assert lines[-1:] == ["still here"] and all(line.startswith("bash: ") for line in lines[:-1]), lines
     finally:
         await shell.close()
         shutil.rmtree(folder)
