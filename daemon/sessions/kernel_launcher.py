@@ -19,11 +19,12 @@ cell, and each flush waits for a round trip through its IO thread even when noth
 the idle status); and ipykernel sleeps 0.5 ms per cell (``_execute_sleep``, its own FIXME for
 flushes that once got lost; the launch command sets it to 0).
 
-Three costs per cell that buy nothing here are cut too, a quarter of the kernel's CPU per cell:
-the date in each request's header is parsed with ``datetime.fromisoformat`` rather than
-dateutil; whether ``do_execute`` and ``run_cell`` take a cell id is read from their signatures
-once, not on every cell; and the cell's code is not echoed back on iopub (``execute_input``),
-which only a shared notebook front-end reads.
+Four more costs per cell that buy nothing here are cut (the first three took the kernel's CPU
+per cell from 1.62 to 1.27 ms, measured against a stock kernel in the same run): the date in each
+request's header is parsed with ``datetime.fromisoformat`` rather than dateutil; whether
+``do_execute`` and ``run_cell`` take a cell id is read from their signatures once, not on every
+cell; the cell's code is not echoed back on iopub (``execute_input``), which only a shared
+notebook front-end reads; and the kernel's logger drops debug lines before formatting them.
 """
 
 import functools
