@@ -1,5 +1,5 @@
-"""The start gate: starts run a few at a time in arrival order, one image at a bounded rate, and
-past the queue's bound a start is refused at once; a burst of cold leases through a real pool all
+"""The start gate: starts run a few at a time in arrival order, someone's before the warm pool's
+refills, one image at a bounded rate, and past the queue's bound a start is refused at once; a burst of cold leases through a real pool all
 start, none on a timeout."""
 
 from __future__ import annotations
@@ -34,6 +34,32 @@ async def test_starts_run_a_few_at_a_time_in_arrival_order() -> None:
     assert peak == 3 and gate.running == 0 and gate.waiting == 0
     assert order == list(range(12))
     assert gate.max_waiting_seen >= 9
+
+
+async def test_a_start_someone_waits_for_goes_before_the_refills_queued_ahead_of_it() -> None:
+    gate = StartGate(StartGateConfig(concurrency=1, image_rate_per_s=0))
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def start(name: str, background: bool) -> None:
+        async with gate.slot("img", background=background):
+            order.append(name)
+            await release.wait()
+
+    async with asyncio.timeout(10):
+        first = asyncio.create_task(start("refill-0", True))  # takes the only slot
+        refills = [asyncio.create_task(start(f"refill-{i}", True)) for i in range(1, 4)]
+        while gate.waiting < 3:
+            await asyncio.sleep(0)
+        cancelled = asyncio.create_task(start("gave-up", False))
+        lease = asyncio.create_task(start("lease", False))
+        while gate.waiting < 5:
+            await asyncio.sleep(0)
+        cancelled.cancel()  # a waiter that leaves hands nothing on and takes no slot
+        release.set()
+        await asyncio.gather(first, *refills, lease)
+    assert order == ["refill-0", "lease", "refill-1", "refill-2", "refill-3"]
+    assert cancelled.cancelled() and gate.running == 0 and gate.waiting == 0
 
 
 async def test_past_the_queue_bound_a_start_is_refused_at_once() -> None:

@@ -162,8 +162,10 @@ async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False, gate: Star
     """Start ``sandbox`` and its shell, and its kernel too with ``start_kernel`` (when its spec
     offers IPython; otherwise the first cell starts it). On any failure nothing is left running.
     ``gate`` admits the sandbox's start only: the instance start is what crowds a machine when
-    hundreds go at once, and shells can start no faster than instances come out of the gate."""
-    async with gate.slot(sandbox.spec.image) if gate else contextlib.nullcontext(0.0) as waited_s:
+    hundreds go at once, and shells can start no faster than instances come out of the gate.
+    A refill (``sandbox.background``) lets the starts someone waits for through the gate first."""
+    slot = gate.slot(sandbox.spec.image, background=sandbox.background) if gate else contextlib.nullcontext(0.0)
+    async with slot as waited_s:
         t0 = time.monotonic()
         try:
             await sandbox.start()

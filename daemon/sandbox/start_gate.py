@@ -10,6 +10,11 @@ and the burst finishes at the machine's pace; one image is started at most ``ima
 times a second (a token bucket holding ``image_burst``), which keeps one image's mounts from
 crowding out the others'; and at most ``max_queued`` starts wait: past that a start is refused at
 once with an error that says so, never left to time out in a queue with no end.
+
+A start someone is waiting for (a cold lease: a rollout's init stage, a trainer's ``open_sandbox``)
+takes the next free slot before the warm pool's refills: in arrival order it waited for every
+refill queued ahead of it (each a whole instance start), while a refill only restocks a pool that
+nobody is waiting on yet.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -49,7 +55,9 @@ class StartGateConfig:
 class StartGate:
     def __init__(self, config: StartGateConfig | None = None) -> None:
         self.config = config or StartGateConfig()
-        self._slots = asyncio.Semaphore(self.config.concurrency)
+        self._free = self.config.concurrency
+        self._queues: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+        """Starts waiting for a slot: someone's (served first), then the warm pool's refills."""
         self._next_start: dict[str, float] = {}
         """Per image: the earliest time its bucket allows the next start (a full bucket is ``now
         - (burst - 1) / rate``, so ``burst`` starts may go at once)."""
@@ -58,8 +66,9 @@ class StartGate:
         self.max_waiting_seen = 0
 
     @contextlib.asynccontextmanager
-    async def slot(self, image: str) -> AsyncIterator[float]:
-        """Hold a start slot for ``image``; yields the seconds spent waiting for it."""
+    async def slot(self, image: str, *, background: bool = False) -> AsyncIterator[float]:
+        """Hold a start slot for ``image``; yields the seconds spent waiting for it. ``background``:
+        a refill nobody waits for, which lets every other start go first."""
         cfg = self.config
         if self.waiting >= cfg.max_queued:
             raise StartQueueFull(
@@ -70,7 +79,7 @@ class StartGate:
         self.max_waiting_seen = max(self.max_waiting_seen, self.waiting)
         try:
             await self._image_turn(image)
-            await self._slots.acquire()
+            await self._acquire(background)
         finally:
             self.waiting -= 1
         self.running += 1
@@ -78,7 +87,30 @@ class StartGate:
             yield time.monotonic() - queued_at
         finally:
             self.running -= 1
-            self._slots.release()
+            self._release()
+
+    async def _acquire(self, background: bool) -> None:
+        if self._free:
+            self._free -= 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._queues[background].append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # handed a slot in the instant it was cancelled: pass it on
+            raise
+
+    def _release(self) -> None:
+        """Hand the slot to the first start waiting, someone's before a refill's."""
+        for queue in self._queues:
+            while queue:
+                granted = queue.popleft()
+                if not granted.done():  # a cancelled waiter's future is done
+                    granted.set_result(None)
+                    return
+        self._free += 1
 
     async def _image_turn(self, image: str) -> None:
         """Wait until ``image``'s bucket holds a token, and take it (reserved in arrival order)."""
