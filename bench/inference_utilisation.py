@@ -56,7 +56,20 @@ SAMPLE_S = 0.05
 # turn. The synchronous loop gets the same 24 as its batch.
 IN_FLIGHT = 24
 RAMP_S = EVAL_S
+WARM_PER_WORKER = IN_FLIGHT // 2 + 4
+POOL_FILL_TIMEOUT_S = 300.0
 # No per-request seed: it kills vLLM's CPU engine (notes/vllm_cpu.md).
+
+
+async def pools_filled(client: AsyncRolloutClient) -> None:
+    """Until every worker's warm pool is full, as on a node that has served a while: each phase
+    starts from there, not from the start-up fill or the previous phase's refills."""
+    async with asyncio.timeout(POOL_FILL_TIMEOUT_S):
+        while True:
+            pools = [w.get("pool", {}) for w in (await client.status())["workers"]]
+            if pools and all(p.get("ready", 0) >= WARM_PER_WORKER for p in pools):
+                return
+            await asyncio.sleep(0.5)
 
 
 def task(i: int) -> dict[str, Any]:
@@ -196,13 +209,18 @@ async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]
     phases: dict[str, list[dict[str, float]]] = {"staged": [], "sync": []}
     seconds: dict[str, list[float]] = {"staged": [], "sync": []}
     async with AsyncRolloutClient(address) as client, aiohttp.ClientSession() as http:
+        # Sized once the node's start-up fill is done: with sandboxes starting beside it, the
+        # engine looked slower than it is, and turns came out shorter than the rollouts then saw.
+        await pools_filled(client)
         max_tokens = await turn_tokens(http, url)
         meter = BusyMeter(http, url)
         for r in range(rounds):
+            await pools_filled(client)
             t0 = time.monotonic()
             busy, prompts = await staged(client, meter, n, offset=r * n, max_tokens=max_tokens)
             seconds["staged"].append(time.monotonic() - t0)
             phases["staged"].append(busy)
+            await pools_filled(client)
             t0 = time.monotonic()
             phases["sync"].append(await synchronous(client, http, url, meter, prompts, tag=str(r),
                                                     max_tokens=max_tokens))
@@ -230,7 +248,7 @@ def main() -> int:
     # Stats on: the running-requests gauge is what is measured.
     with VLLMServer(model, max_model_len=8192, log_stats=True, log_path=work / "vllm.log") as server:
         env = {"ROLLOUTD_WARM_IPYTHON": "0"}
-        node_args = ["--backend", "apptainer", "--workers", "2", "--warm", str(IN_FLIGHT // 2 + 4),
+        node_args = ["--backend", "apptainer", "--workers", "2", "--warm", str(WARM_PER_WORKER),
                      "--inference-server", "vllm+" + server.url]
         with node_daemon(work / "node", *node_args, env=env) as address:
             results = asyncio.run(measure(address, server.url, rounds, n))
