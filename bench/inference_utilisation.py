@@ -5,7 +5,9 @@ do), on eval-heavy tasks, in the same run, phases interleaved (staged, sync, sta
 
 "Generating" is read from vLLM itself: its ``vllm:num_requests_running`` gauge, sampled every
 SAMPLE_S from ``/metrics`` during each phase; busy = the share of samples with at least one
-request running. Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model
+request running. Where the idle samples come from is printed too: how many rollouts were in their
+run stage (agent turns) at those instants, from the trajectories' stage times, and how long a
+read of the gauge took (vLLM's HTTP front end answering under the phase's load). Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model
 turns (the random tiny model writes no tool call, so each turn's observation is the agent's "no
 tool call" message: the tool costs nothing, evaluation dominates). The synchronous loop sends the
 same prompts (the staged rollouts' own prompt ids) to the same server, with a shell command per
@@ -82,7 +84,10 @@ class BusyMeter:
 
     def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
         self.session, self.url = session, url
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, float]] = []
+        """(monotonic time of the answer, requests running)."""
+        self.fetch_s: list[float] = []
+        """How long each read of the gauge took: how fast vLLM's HTTP front end answers."""
         self._task: asyncio.Task[None] | None = None
 
     async def _gauge(self) -> float:
@@ -94,12 +99,21 @@ class BusyMeter:
 
     async def _loop(self) -> None:
         while True:
-            self.samples.append(await self._gauge())
+            t0 = time.monotonic()
+            running = await self._gauge()
+            t1 = time.monotonic()
+            self.samples.append((t1, running))
+            self.fetch_s.append(t1 - t0)
             await asyncio.sleep(SAMPLE_S)
 
     def start(self) -> None:
         self.samples.clear()
+        self.fetch_s.clear()
         self._task = asyncio.create_task(self._loop())
+
+    def idle_times(self) -> list[float]:
+        """When the last phase's samples found nothing running."""
+        return [t for t, running in self.samples if running == 0]
 
     async def stop(self) -> dict[str, float]:
         assert self._task is not None
@@ -107,8 +121,23 @@ class BusyMeter:
         await asyncio.gather(self._task, return_exceptions=True)
         if not self.samples:
             raise RuntimeError("no sample of vLLM's gauge was taken")
-        return {"busy": sum(s > 0 for s in self.samples) / len(self.samples),
-                "mean_running": statistics.fmean(self.samples), "samples": len(self.samples)}
+        running = [r for _, r in self.samples]
+        return {"busy": sum(r > 0 for r in running) / len(running), "mean_running": statistics.fmean(running),
+                "samples": len(running), "gauge_read_ms": 1e3 * statistics.median(self.fetch_s)}
+
+
+def in_run_at(times: list[float], runs: list[tuple[float, float]]) -> list[int]:
+    """Per time, how many rollouts were in their run stage (agent turns: generation and tools)."""
+    return [sum(enter <= t < leave for enter, leave in runs) for t in times]
+
+
+def run_span(stage_events: list[Any]) -> tuple[float, float] | None:
+    """(enter, exit) of a trajectory's run stage, from its ``stage_events`` (monotonic seconds, the
+    same clock on the whole node)."""
+    marks = {(stage, kind): t for stage, kind, t in stage_events}
+    if ("run", "enter") not in marks or ("run", "exit") not in marks:
+        return None
+    return marks[("run", "enter")], marks[("run", "exit")]
 
 
 async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int,
@@ -130,7 +159,7 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
         await asyncio.sleep(RAMP_S / IN_FLIGHT)
     meter.start()
     busy: dict[str, float] | None = None
-    submitted, prompts, stages = IN_FLIGHT, [], []
+    submitted, prompts, stages, runs = IN_FLIGHT, [], [], []
     while pending:
         async for result in client.as_completed(sorted(pending)):
             assert result.error is None, result.error
@@ -138,6 +167,9 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
                 assert t.finish_reason == "max_turns" and t.reward == 1.0, (t.finish_reason, t.error_message)
                 prompts.append(t.prompt_ids.tolist())
                 stages.append({**t.stage_s, "queued": t.queued_s})
+                span = run_span(t.metrics.get("stage_events", []))
+                if span is not None:
+                    runs.append(span)
             await client.release(result)
             pending.discard(result.request_id)
             if submitted < n:
@@ -151,6 +183,11 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
     busy.update(cold_starts=sum(p.get("cold_starts", 0) for p in pools), leases=sum(p.get("leases", 0) for p in pools))
     # Where a rollout's life went: what keeps the server idle when it is not eval.
     busy.update({f"{k}_s": statistics.fmean(st.get(k, 0.0) for st in stages) for k in ("queued", "init", "run", "eval")})
+    # Rollouts in their run stage while the engine had nothing running: their turns were on their
+    # way through vLLM's HTTP front end (or ours), not waiting on tools or tests.
+    at_idle = in_run_at(meter.idle_times(), runs)
+    busy.update(idle_with_runs=sum(n > 0 for n in at_idle) / len(at_idle) if at_idle else 0.0,
+                runs_at_idle=statistics.fmean(at_idle) if at_idle else 0.0)
     return busy, prompts
 
 
@@ -228,13 +265,19 @@ async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]
             st = phases["staged"][-1]
             print(f"round {r + 1}: staged busy {st['busy']:.3f}, sync busy {phases['sync'][-1]['busy']:.3f}; a staged "
                   f"rollout's mean seconds: queued {st['queued_s']:.1f}, init {st['init_s']:.1f}, run {st['run_s']:.1f}, "
-                  f"eval {st['eval_s']:.1f}; sandboxes leased {st['leases']}, started cold {st['cold_starts']}", flush=True)
+                  f"eval {st['eval_s']:.1f}; sandboxes leased {st['leases']}, started cold {st['cold_starts']}; "
+                  f"at {st['idle_with_runs']:.0%} of the engine's idle samples some rollouts were in their run stage "
+                  f"({st['runs_at_idle']:.1f} on average); a gauge read took {st['gauge_read_ms']:.0f} ms (median)",
+                  flush=True)
     out: dict[str, Any] = {"rounds": rounds, "rollouts_per_phase": n, "turn_tokens": max_tokens}
     for name in ("staged", "sync"):
         out[f"vllm_busy_{name}"] = statistics.fmean(p["busy"] for p in phases[name])
         out[f"vllm_mean_running_{name}"] = statistics.fmean(p["mean_running"] for p in phases[name])
         out[f"vllm_busy_{name}_rounds"] = [p["busy"] for p in phases[name]]
         out[f"{name}_s"] = statistics.fmean(seconds[name])
+        out[f"gauge_read_ms_{name}"] = statistics.fmean(p["gauge_read_ms"] for p in phases[name])
+    out["staged_idle_with_runs"] = statistics.fmean(p["idle_with_runs"] for p in phases["staged"])
+    out["staged_runs_at_idle"] = statistics.fmean(p["runs_at_idle"] for p in phases["staged"])
     return out
 
 
