@@ -1,6 +1,6 @@
 """The start gate: starts run a few at a time in arrival order, someone's before the warm pool's
-refills, one image at a bounded rate, and past the queue's bound a start is refused at once; a burst of cold leases through a real pool all
-start, none on a timeout."""
+refills, one image at a bounded rate, and past the queue's bound a start is refused at once; a
+burst of cold leases through a real pool all start, none on a timeout."""
 
 from __future__ import annotations
 

@@ -56,8 +56,9 @@ class StartGate:
     def __init__(self, config: StartGateConfig | None = None) -> None:
         self.config = config or StartGateConfig()
         self._free = self.config.concurrency
-        self._queues: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
-        """Starts waiting for a slot: someone's (served first), then the warm pool's refills."""
+        self._waiting_foreground: deque[asyncio.Future[None]] = deque()
+        """Starts someone waits for, waiting for a slot: served first."""
+        self._waiting_refills: deque[asyncio.Future[None]] = deque()
         self._next_start: dict[str, float] = {}
         """Per image: the earliest time its bucket allows the next start (a full bucket is ``now
         - (burst - 1) / rate``, so ``burst`` starts may go at once)."""
@@ -94,7 +95,7 @@ class StartGate:
             self._free -= 1
             return
         granted = asyncio.get_running_loop().create_future()
-        self._queues[background].append(granted)
+        (self._waiting_refills if background else self._waiting_foreground).append(granted)
         try:
             await granted
         except asyncio.CancelledError:
@@ -104,7 +105,7 @@ class StartGate:
 
     def _release(self) -> None:
         """Hand the slot to the first start waiting, someone's before a refill's."""
-        for queue in self._queues:
+        for queue in (self._waiting_foreground, self._waiting_refills):
             while queue:
                 granted = queue.popleft()
                 if not granted.done():  # a cancelled waiter's future is done
