@@ -7,9 +7,11 @@ do), on eval-heavy tasks, in the same run, phases interleaved (staged, sync, sta
 SAMPLE_S from ``/metrics`` during each phase; busy = the share of samples with at least one
 request running. Where the idle samples come from is printed too: how many rollouts were in their
 run stage (agent turns) at those instants, from the trajectories' stage times, and how long a
-read of the gauge took (vLLM's HTTP front end answering under the phase's load). Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model
-turns (the random tiny model writes no tool call, so each turn's observation is the agent's "no
-tool call" message: the tool costs nothing, evaluation dominates). The synchronous loop sends the
+read of the gauge took (vLLM's HTTP front end answering under the phase's load).
+
+Each rollout is a ``command`` task whose evaluation sleeps EVAL_S, TURNS model turns (the random
+tiny model writes no tool call, so each turn's observation is the agent's "no tool call" message:
+the tool costs nothing, evaluation dominates). The synchronous loop sends the
 same prompts (the staged rollouts' own prompt ids) to the same server, with a shell command per
 turn in real sandboxes and the same evaluation.
 
@@ -252,7 +254,8 @@ async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]
         max_tokens = await turn_tokens(http, url)
         meter = BusyMeter(http, url)
         for r in range(rounds):
-            await pools_filled(client)
+            if r:  # the first round starts from the fill the sizing waited for
+                await pools_filled(client)
             t0 = time.monotonic()
             busy, prompts = await staged(client, meter, n, offset=r * n, max_tokens=max_tokens)
             seconds["staged"].append(time.monotonic() - t0)

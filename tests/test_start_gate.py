@@ -9,12 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.sandbox.start_gate import StartGate, StartGateConfig, StartQueueFull
 from rolloutd.native_io.errors import ConfigError, SandboxStartError
+
+QUEUED_TIMEOUT_S = 10.0
+"""How long a test waits for started tasks to reach the gate's queue (a few loop rounds)."""
 
 
 async def test_starts_run_a_few_at_a_time_in_arrival_order() -> None:
@@ -49,12 +53,10 @@ async def test_a_start_someone_waits_for_goes_before_the_refills_queued_ahead_of
     async with asyncio.timeout(10):
         first = asyncio.create_task(start("refill-0", True))  # takes the only slot
         refills = [asyncio.create_task(start(f"refill-{i}", True)) for i in range(1, 4)]
-        while gate.waiting < 3:
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: gate.waiting == 3, QUEUED_TIMEOUT_S, "three refills queued")
         cancelled = asyncio.create_task(start("gave-up", False))
         lease = asyncio.create_task(start("lease", False))
-        while gate.waiting < 5:
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: gate.waiting == 5, QUEUED_TIMEOUT_S, "two leases queued behind them")
         cancelled.cancel()  # a waiter that leaves hands nothing on and takes no slot
         release.set()
         await asyncio.gather(first, *refills, lease)
@@ -74,8 +76,7 @@ async def test_past_the_queue_bound_a_start_is_refused_at_once() -> None:
 
     async with asyncio.timeout(10):
         tasks = [asyncio.create_task(start(i)) for i in range(3)]  # one runs, two wait
-        while gate.waiting < 2:
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: gate.waiting == 2, QUEUED_TIMEOUT_S, "two starts queued")
         t0 = time.monotonic()
         with pytest.raises(StartQueueFull, match="2 sandbox starts are already waiting.*max_queued=2") as info:
             async with gate.slot("img"):
