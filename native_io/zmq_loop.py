@@ -80,11 +80,15 @@ class LoopSocket:
                 memoryview(frame)  # TypeError for what is not a buffer
         sock = self.sock
         *head, last = frames
-        for frame in head:
-            sock.send(frame, _NOBLOCK_MORE, copy=False)
-        sock.send(last, _NOBLOCK, copy=False)
-        if sock.getsockopt(_EVENTS) & _POLLIN:
-            self._schedule()
+        try:
+            for frame in head:
+                sock.send(frame, _NOBLOCK_MORE, copy=False)
+            sock.send(last, _NOBLOCK, copy=False)
+        finally:
+            # A send, failed ones too, processes the socket's commands and so may take the edge
+            # off its FD with a message already in: read it without waiting for the next edge.
+            if not sock.closed and sock.getsockopt(_EVENTS) & _POLLIN:
+                self._schedule()
 
     def close(self, linger_ms: int = 0) -> None:
         if not self.sock.closed:

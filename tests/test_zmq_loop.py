@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import select
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,9 @@ import pytest
 import zmq
 
 from rolloutd.native_io.zmq_loop import LoopSocket
+
+ANSWER_TIMEOUT_S = 5.0
+COMMAND_THROTTLE_S = 0.01
 
 
 async def _pair(short_tmp: Path) -> tuple[LoopSocket, LoopSocket, asyncio.Queue[list[bytes]]]:
@@ -57,6 +62,31 @@ async def test_a_frame_that_is_not_a_buffer_sends_nothing(short_tmp: Path) -> No
         dealer.send([b"marker"])
         _, *frames = await asyncio.wait_for(received.get(), 5)
         assert frames == [b"marker"]
+    finally:
+        dealer.close()
+        router.close()
+
+
+async def test_a_message_that_comes_in_while_a_send_fails_is_still_read(short_tmp: Path) -> None:
+    # A send that fails (a ROUTER_MANDATORY peer gone) still processes the socket's pending
+    # commands, which takes the edge off its FD: a message that came in just before must then be
+    # read anyway, or the socket serves nothing more until another one arrives (the router's
+    # trainers' status calls went unanswered this way once an answer found its trainer gone).
+    router, dealer, received = await _pair(short_tmp)
+    router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        dealer.send([b"hello"])
+        await asyncio.wait_for(received.get(), ANSWER_TIMEOUT_S)
+        dealer.send([b"came", b"in"])  # no await from here to the failed send: the loop does not read it
+        fd = router.sock.getsockopt(zmq.FD)
+        assert select.select([fd], [], [], ANSWER_TIMEOUT_S)[0], "the message never reached the router"
+        # libzmq skips a send's command processing within ~1 ms of the last one: time itself is
+        # what the failed send below must get past.
+        time.sleep(COMMAND_THROTTLE_S)
+        with pytest.raises(zmq.ZMQError):
+            router.send([b"gone-peer", b"answer"])
+        _, *frames = await asyncio.wait_for(received.get(), ANSWER_TIMEOUT_S)
+        assert frames == [b"came", b"in"]
     finally:
         dealer.close()
         router.close()
