@@ -461,7 +461,11 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
                     rows.append((np.array(t.prompt_ids), np.array(t.response_ids), np.array(t.response_mask),
                                  np.array(t.response_logprobs), set(t.weight_versions)))
                 client.release(result)
-        # The workers' engine, driven directly: abort, then a weight push through it.
+        # The workers' engine, driven directly: abort, then a weight push through it. The engine is
+        # paused first: an abort of an id the engine has not admitted yet is a no-op, and on two
+        # cores the test process can sit unscheduled for seconds (7 s seen) while the engine's
+        # spinning threads decode, so an abort racing a running decode could lose to its
+        # max_tokens. A paused engine admits the request and holds it until the abort lands.
         new_dir = perturbed_copy(model_dir, tmp_path / "ip-2", seed=2)
 
         async def direct() -> tuple[Any, Any]:
@@ -470,10 +474,10 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
             try:
                 await engine.discover()
                 assert engine.max_model_len == 8192
+                await engine.pause("keep")
                 call = asyncio.create_task(engine.generate(PROMPT, SamplingParams(max_tokens=6000, ignore_eos=True),
                                                            request_id="ip-abort", timeout_s=300))
                 aborted = await abort_until_done(lambda: engine.abort("ip-abort"), call)
-                await engine.pause("keep")
                 await engine.update_weights(str(new_dir), version="ip-2")
                 await engine.resume()
                 pushed = await engine.generate(PROMPT, SamplingParams(max_tokens=8), request_id="ip-new",
