@@ -29,10 +29,18 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 WORKER_EXTENSION = "rolloutd.daemon.inference.vllm_worker_ext.WeightReload"
 READY_TIMEOUT_S = float(os.environ.get("ROLLOUTD_VLLM_READY_TIMEOUT_S", "300"))
+"""A cold start takes about 60 s on 2 idle cores, several times that on busy ones."""
 HEALTH_PROBE_TIMEOUT_S = 2.0
 READY_POLL_S = 0.5
 """How often a starting server's /health is asked (vLLM takes tens of seconds to start)."""
-"""A cold start takes about 60 s on 2 idle cores, several times that on busy ones."""
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+"""Defaults for every vLLM engine rolloutd starts (server or node engine host); the caller's own
+environment wins, so a bench can set VLLM_ENABLE_V1_MULTIPROCESSING=1 to compare. Multiprocessing
+off: vLLM's CPU platform otherwise runs the model in a worker process of its own, which spins
+(sched_yield) for a second after every step it is handed, so on a node with few cores it holds a
+core that the rollout workers feeding the engine need. With it off, the model runs inside the
+engine-core process, still apart from the server. AsyncLLM reads the setting nowhere else: one
+GPU already runs in-process and several still get worker processes."""
 
 
 def vllm_python() -> str:
@@ -90,9 +98,8 @@ class VLLMServer:
     def start(self, *, wait: bool = True, timeout_s: float = READY_TIMEOUT_S) -> VLLMServer:
         if self.process is not None and self.process.poll() is None:
             raise ConfigError(f"the vLLM server on port {self.port} is already running")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        env = {**ENGINE_ENV, **os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+               "VLLM_SERVER_DEV_MODE": "1", "DO_NOT_TRACK": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             # Its own session: a stop signals vLLM's engine-core and worker children too.

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rolloutd.daemon.inference.engine_client import SPEC_PREFIX
+from rolloutd.daemon.inference.vllm_server import ENGINE_ENV, vllm_python
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.sandbox_user import SandboxUser
 from rolloutd.native_io.errors import ConfigError, InferenceError
@@ -42,8 +43,6 @@ class NodeEngines:
     def _python(self) -> str:
         if importlib.util.find_spec("vllm") is not None:
             return sys.executable
-        from rolloutd.daemon.inference.vllm_server import vllm_python
-
         return vllm_python()
 
     async def start(self) -> None:
@@ -61,7 +60,7 @@ class NodeEngines:
                     self._python(), "-m", "rolloutd.daemon.inference.engine_host", "--model", model, "--socket",
                     str(socket_path), "--engine-args", self.config.inference_engine_args,
                     stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
-                    start_new_session=True, env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
+                    start_new_session=True, env={**ENGINE_ENV, **os.environ})
             self.procs.append(proc)
             assert proc.stdout is not None
             timeout_s = self.config.inference_engine_ready_timeout_s
