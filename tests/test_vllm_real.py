@@ -463,9 +463,9 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
                 client.release(result)
         # The workers' engine, driven directly: abort, then a weight push through it. The engine is
         # paused first: an abort of an id the engine has not admitted yet is a no-op, and on two
-        # cores the test process can sit unscheduled for seconds (7 s seen) while the engine's
-        # spinning threads decode, so an abort racing a running decode could lose to its
-        # max_tokens. A paused engine admits the request and holds it until the abort lands.
+        # cores the test process can sit unscheduled for seconds (7 s seen) while the engine
+        # decodes, so an abort racing a running decode could lose to its max_tokens. A paused
+        # engine admits the request and holds it until the abort lands.
         new_dir = perturbed_copy(model_dir, tmp_path / "ip-2", seed=2)
 
         async def direct() -> tuple[Any, Any]:

@@ -99,7 +99,8 @@ class VLLMServer:
         if self.process is not None and self.process.poll() is None:
             raise ConfigError(f"the vLLM server on port {self.port} is already running")
         env = {**ENGINE_ENV, **os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "VLLM_SERVER_DEV_MODE": "1", "DO_NOT_TRACK": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+               "VLLM_SERVER_DEV_MODE": "1", "DO_NOT_TRACK": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             # Its own session: a stop signals vLLM's engine-core and worker children too.
