@@ -72,7 +72,7 @@ test: setup
 	$(PY) -m pytest
 
 BENCHES := command_latency client_latency token_transfer inference_overhead agent_turn_cpu pipeline_overlap \
-           inference_utilisation rollout_throughput federation openai_proxy_isolation in_flight
+           inference_utilisation rollout_throughput federation openai_proxy_isolation in_flight burst_start
 
 # Every bench in quick mode; each writes its numbers to out/bench/<name>.json (a miss does not stop the rest).
 bench: setup
