@@ -144,15 +144,6 @@ def in_run_at(times: list[float], runs: list[tuple[float, float]]) -> list[int]:
     return [sum(enter <= t < leave for enter, leave in runs) for t in times]
 
 
-def run_span(stage_events: list[Any]) -> tuple[float, float] | None:
-    """(enter, exit) of a trajectory's run stage, from its ``stage_events`` (monotonic seconds, the
-    same clock on the whole node)."""
-    marks = {(stage, kind): t for stage, kind, t in stage_events}
-    if ("run", "enter") not in marks or ("run", "exit") not in marks:
-        return None
-    return marks[("run", "enter")], marks[("run", "exit")]
-
-
 async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: int, max_tokens: int,
                  submitted_at_once: int) -> tuple[dict[str, float], list[list[int]]]:
     """Keep ``submitted_at_once`` rollouts in the daemon, submitting a new one whenever one finishes
@@ -180,9 +171,8 @@ async def staged(client: AsyncRolloutClient, meter: BusyMeter, n: int, offset: i
                 assert t.finish_reason == "max_turns" and t.reward == 1.0, (t.finish_reason, t.error_message)
                 prompts.append(t.prompt_ids.tolist())
                 stages.append({**t.stage_s, "queued": t.queued_s})
-                span = run_span(t.metrics.get("stage_events", []))
-                if span is not None:
-                    runs.append(span)
+                if "run" in t.stage_spans:
+                    runs.append(t.stage_spans["run"])
             await client.release(result)
             pending.discard(result.request_id)
             if submitted < n:

@@ -125,6 +125,19 @@ class Trajectory:
         return [t.weight_version for t in self.turns]
 
     @property
+    def stage_spans(self) -> dict[str, tuple[float, float]]:
+        """(enter, exit) of each stage it left, from ``metrics["stage_events"]`` (monotonic seconds,
+        one clock node-wide); a stage entered again keeps its last span."""
+        spans: dict[str, tuple[float, float]] = {}
+        entered: dict[str, float] = {}
+        for stage, kind, at in self.metrics.get("stage_events", []):
+            if kind == "enter":
+                entered[stage] = at
+            elif stage in entered:
+                spans[stage] = (entered[stage], at)
+        return spans
+
+    @property
     def num_model_tokens(self) -> int:
         return int(self.response_mask.sum())
 

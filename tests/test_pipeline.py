@@ -24,7 +24,6 @@ from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.tasks.datasets import dataset_records, oracle_plans
 from rolloutd.native_io.errors import BadRequest, Busy
-from rolloutd.native_io.trajectory import Trajectory
 from rolloutd.native_io.wire import RolloutArgs, TaskRef
 
 API_KEY = "test-key"
@@ -56,16 +55,6 @@ def command_args(iid: str, *, setup: str = "", run: list[str] | None = None, eva
                        ipython=False, **kw)
 
 
-def spans(t: Trajectory) -> dict[str, tuple[float, float]]:
-    out, opened = {}, {}
-    for stage, kind, at in t.metrics["stage_events"]:
-        if kind == "enter":
-            opened[stage] = at
-        else:
-            out[stage] = (opened[stage], at)
-    return out
-
-
 def max_concurrency(intervals: list[tuple[float, float]]) -> int:
     points = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
     level = best = 0
@@ -83,11 +72,11 @@ async def test_stage_limits_and_order(short_tmp: Path) -> None:
         trajs = [r[0] for r in results]
         assert all(t.finish_reason == "completed" and t.reward == 1.0 for t in trajs)
         for t in trajs:
-            s = spans(t)
+            s = t.stage_spans
             assert s["init"][1] <= s["run"][0] <= s["run"][1] <= s["eval"][0]
             assert t.stage_s["run"] >= 0.2
         for stage, limit in (("init", 1), ("run", 2), ("eval", 1)):
-            assert max_concurrency([spans(t)[stage] for t in trajs]) <= limit
+            assert max_concurrency([t.stage_spans[stage] for t in trajs]) <= limit
         assert sum(t.queued_s for t in trajs) > 0  # the limits made some wait
         assert pipe.sandboxes.stats()["leased"] == 0
 
@@ -100,11 +89,11 @@ async def test_slow_eval_does_not_delay_other_turns(short_tmp: Path) -> None:
         fast = await pipe.run_request("fast", command_args("fast", run=["echo turn1", "echo turn2"]))
         (slow_t,) = await slow
         (fast_t,) = fast
-        slow_eval, fast_run = spans(slow_t)["eval"], spans(fast_t)["run"]
+        slow_eval, fast_run = slow_t.stage_spans["eval"], fast_t.stage_spans["run"]
         # fast's agent turns ran entirely while slow held the eval slot...
         assert slow_eval[0] < fast_run[0] and fast_run[1] < slow_eval[1]
         # ...and fast's eval waited for the slot, which was not counted as stage time.
-        assert spans(fast_t)["eval"][0] >= slow_eval[1] and fast_t.queued_s > 0.5
+        assert fast_t.stage_spans["eval"][0] >= slow_eval[1] and fast_t.queued_s > 0.5
         assert fast_t.stage_s["eval"] < 1.0
 
 
