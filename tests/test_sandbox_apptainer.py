@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from proc_support import identities, still_running
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
+from rolloutd.daemon.sandbox.caps import find_breaches
 from rolloutd.daemon.sandbox.pool import open_lease
 from rolloutd.native_io.errors import ConfigError
 
@@ -105,6 +109,41 @@ async def test_memory_hog_fails_alone(short_tmp: Path) -> None:
         r = await lease.run("python3 -c 'x = bytearray(1 << 30)' 2>&1 | tail -1")
         assert "MemoryError" in r.output
         assert (await lease.run("echo still-here")).output == "still-here\n"
+    finally:
+        await lease.destroy()
+
+
+HOLD_MB = 96
+ESCAPE_WAIT_S = 30
+"""Named: how long the escaped process may take to start, and to take its memory."""
+
+
+async def test_memory_taken_outside_a_leavable_cgroup_still_counts(short_tmp: Path) -> None:
+    """Where a sandbox's processes could leave its memory cgroup (the seal failed), the watchdog
+    also sums their memory from /proc: one that left and then took more than the cap is seen."""
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
+    if backend.cgroups is None:
+        pytest.skip("no memory cgroup this process may write")
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(memory_mb=64))))
+    try:
+        sb = lease.sandbox
+        assert sb.cgroup is not None and not sb.cgroup_leavable
+        await lease.run("nohup python3 -c \"import os, time\nwhile not os.path.exists('/workspace/go'): time.sleep(0.05)"
+                        f"\nx = b'x' * ({HOLD_MB} << 20)\ntime.sleep(600)\" rld-hold > /dev/null 2>&1 &")
+        deadline = time.monotonic() + ESCAPE_WAIT_S
+        while not (held := [p for p in map(psutil.Process, sb.process_ids()) if "rld-hold" in p.cmdline()]):
+            assert time.monotonic() < deadline, f"the holding process did not start within {ESCAPE_WAIT_S} s"
+            await asyncio.sleep(0.05)
+        # What the sandbox could do itself with a writable cgroup filesystem, done from the host.
+        (sb.cgroup.path.parent / "cgroup.procs").write_text(str(held[0].pid))
+        await lease.run("touch /workspace/go")
+        while held[0].memory_info().rss < HOLD_MB << 20:
+            assert time.monotonic() < deadline, f"the escaped process did not take {HOLD_MB} MiB within {ESCAPE_WAIT_S} s"
+            await asyncio.sleep(0.05)
+        assert find_breaches([sb], backend.census(), backend.census_kind, check_disk=False) == {}
+        sb.cgroup_leavable = True
+        (breach,) = find_breaches([sb], backend.census(), backend.census_kind, check_disk=False).values()
+        assert breach.cap == "memory_mb" and "its processes and tmpfs held" in breach.reason, breach
     finally:
         await lease.destroy()
 

@@ -109,6 +109,33 @@ def test_caps_hold_for_the_sandboxes_of_a_root_daemon(short_tmp: Path) -> None:
 
 
 @pytest.mark.apptainer
+def test_a_sandbox_cannot_leave_its_memory_cgroup(short_tmp: Path) -> None:
+    """Apptainer shows the host's cgroup filesystem, and a sandbox's processes run as the user that
+    owns its cgroup, its siblings' and the folder the root daemon delegated: unsealed, one could
+    move itself out from under its memory cap. Sealed, it still reads its own limit."""
+    if os.getuid() != 0:
+        pytest.skip("the root daemon's case: it delegates a memory cgroup to the sandbox user")
+    env = {"ROLLOUTD_SANDBOX_MEMORY_MB": str(MEMORY_MB)}
+    with node_daemon(short_tmp, "--backend", "apptainer", "--workers", "1", "--warm", "0", env=env) as address:
+        with RolloutClient(address) as client:
+            with client.open_sandbox(ipython=False) as sibling, client.open_sandbox(ipython=False) as sb:
+                own = sb.run("grep :memory: /proc/self/cgroup | cut -d: -f3").output.strip()
+                other = sibling.run("grep :memory: /proc/self/cgroup | cut -d: -f3").output.strip()
+                assert "/sb-" in own and "/sb-" in other and own != other, (own, other)
+                root = "/sys/fs/cgroup/memory"
+                assert sb.run(f"cat {root}{own}/memory.limit_in_bytes").output == f"{MEMORY_MB << 20}\n"
+                for target in (own.rsplit("/", 1)[0], other):
+                    moved = sb.run(f"sh -c 'echo $$ > {root}{target}/cgroup.procs && grep :memory: /proc/self/cgroup'")
+                    assert moved.exit_code != 0 and "Read-only file system" in moved.output, moved.output
+                # A namespace of its own inherits the read-only mounts locked.
+                undone = sb.run(f"unshare -Urm sh -c 'mount -o remount,bind,rw {root} && echo $$ > {root}{own}/../cgroup.procs'")
+                assert undone.exit_code != 0, undone.output
+                assert sb.run("grep :memory: /proc/self/cgroup | cut -d: -f3").output.strip() == own
+                (worker,) = client.status()["workers"]
+                assert worker["pool"]["memory_caps"].startswith("cgroup v1 ")
+
+
+@pytest.mark.apptainer
 def test_a_root_daemons_memory_cgroups_are_removed_even_after_a_kill(short_tmp: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("only a root daemon makes a memory cgroup for its workers")

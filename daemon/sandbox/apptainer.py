@@ -9,9 +9,12 @@
 - ``--containall`` with explicit binds only (the host home is not mounted), optional
   ``--network none``, a writable layer per sandbox (tmpfs or an overlay folder).
 - ``/workspace`` is a tmpfs of ``workspace_mb`` mounted in the instance's own namespaces
-  (:mod:`.ns_tmpfs`): a hard cap (ENOSPC inside), in RAM and so charged to the sandbox's memory.
+  (:mod:`.ns_mounts`): a hard cap (ENOSPC inside), in RAM and so charged to the sandbox's memory.
   Where the instance's namespaces are not its user's (a setuid Apptainer) it stays the bound lease
   folder, which the watchdog walks.
+- The host's cgroup filesystem, which Apptainer's ``/sys`` shows, is read-only inside (the same
+  helper), so the sandbox's processes cannot leave their memory cgroup; where that fails, the
+  watchdog also sums their memory from /proc (``cgroup_leavable``).
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
   with the user's instances and are removed with the sandbox.
 - Stop ladder: SIGTERM to the instance's init, then SIGKILL; killing a PID namespace's init kills
@@ -40,11 +43,12 @@ from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
 from .images import resolve_image
+from .ns_mounts import SEAL_FAILED, WORKSPACE_FAILED
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
-NS_TMPFS_SCRIPT = Path(__file__).with_name("ns_tmpfs.py")
+NS_MOUNTS_SCRIPT = Path(__file__).with_name("ns_mounts.py")
 MOUNT_TIMEOUT_S = 30.0
 
 
@@ -152,14 +156,20 @@ class ApptainerSandbox(Sandbox):
                 f"{output}\ncommand: {' '.join(argv)}"
             )
         self._adopt_init(int(pid_text))
-        if self.spec.limits.workspace_mb is not None:
-            await self._cap_workspace(self.spec.limits.workspace_mb, start_log)
+        await self._mount_inside(start_log)
 
-    async def _cap_workspace(self, size_mb: int, log_path: Path) -> None:
-        """Mount the ``workspace_mb`` tmpfs at /workspace; failing that, keep the walked folder."""
+    async def _mount_inside(self, log_path: Path) -> None:
+        """The ``workspace_mb`` tmpfs at /workspace and the sealed cgroup filesystem (see
+        :mod:`.ns_mounts`); failing those, the watchdog's slower checks stand in."""
+        size_mb = self.spec.limits.workspace_mb
+        args = ["--workspace", WORKSPACE_INSIDE, str(size_mb)] if size_mb is not None else []
+        if self.cgroup is not None:
+            args.append("--seal-cgroups")
+        if not args:
+            return
         with open(log_path, "ab") as log_file:
-            proc = await spawn([sys.executable, "-I", "-S", str(NS_TMPFS_SCRIPT), str(self.init_pid),
-                                WORKSPACE_INSIDE, str(size_mb)], stdout=log_file, stderr=log_file)
+            proc = await spawn([sys.executable, "-I", "-S", str(NS_MOUNTS_SCRIPT), str(self.init_pid), *args],
+                               stdout=log_file, stderr=log_file)
         try:
             code = await asyncio.wait_for(proc.wait(), MOUNT_TIMEOUT_S)
         except BaseException:
@@ -167,12 +177,19 @@ class ApptainerSandbox(Sandbox):
             await asyncio.shield(proc.wait())
             await asyncio.shield(self.stop())
             raise
-        if code == 0:
-            self.workspace_capped = True
+        workspace_failed = size_mb is not None and (code < 0 or bool(code & WORKSPACE_FAILED))
+        self.workspace_capped = size_mb is not None and not workspace_failed
+        self.cgroup_leavable = self.cgroup is not None and (code < 0 or bool(code & SEAL_FAILED))
+        if not (workspace_failed or self.cgroup_leavable):
             return
         output = tail((await asyncio.to_thread(log_path.read_text, errors="replace")).strip(), LOG_TAIL_CHARS)
-        log.warning("sandbox %s: no hard cap on /workspace (%s); the watchdog walks it for workspace_mb instead",
-                    self.id, output.splitlines()[-1] if output else f"exit {code}")
+        reason = output.splitlines()[-1] if output else f"exit {code}"
+        if workspace_failed:
+            log.warning("sandbox %s: no hard cap on /workspace (%s); the watchdog walks it for workspace_mb instead",
+                        self.id, reason)
+        if self.cgroup_leavable:
+            log.warning("sandbox %s: its processes could leave their memory cgroup (%s); the watchdog also sums "
+                        "their memory from /proc", self.id, reason)
 
     def _adopt_init(self, pid: int | None) -> None:
         self.init_pid = pid

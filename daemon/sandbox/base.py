@@ -126,6 +126,10 @@ class Sandbox(abc.ABC):
         self._cgroups = cgroups
         self.cgroup: SandboxCgroup | None = None
         """Its memory cgroup while it runs, where the backend has one (see :mod:`.cgroups`)."""
+        self.cgroup_leavable = False
+        """Its processes could move themselves out of ``cgroup`` (an Apptainer instance whose cgroup
+        filesystem could not be sealed): the watchdog then sums their memory from /proc as well.
+        Not tracked for the ``local`` backend, which isolates nothing (trusted code only)."""
         self.background = False
         """Started ahead of need by the warm pool: its start-up runs at a lower CPU priority so it
         does not slow the rollouts in progress (set before ``start``)."""

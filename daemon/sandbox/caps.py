@@ -2,7 +2,8 @@
 
 - ``max_processes``: the census of processes per sandbox (forks past it also fail: RLIMIT_NPROC).
 - ``memory_mb``: with a memory cgroup (:mod:`.cgroups`) the kernel holds the sandbox to it and
-  kills what goes over; the check reads that kill from the cgroup. Without one, the resident
+  kills what goes over; the check reads that kill from the cgroup. Without one (or with one its
+  processes could leave: ``Sandbox.cgroup_leavable``), also the resident
   memory of the sandbox's processes plus what its private ``/dev/shm`` holds, read from /proc:
   after the fact (once a round), so the per-process RLIMIT_AS (``process_memory_mb``) bounds the
   overshoot in between.
@@ -40,11 +41,11 @@ class Breach:
 
 def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: str, *,
                   check_disk: bool) -> dict[str, Breach]:
-    """The sandboxes over a cap, by id (one census, and one /proc pass for the memory of those with
-    no cgroup, for them all). ``census_kind``: what ``census`` counts by (``procfs.CENSUSES``)."""
+    """The sandboxes over a cap, by id (one census, and one /proc pass for the memory of those
+    whose cap no cgroup holds, for them all). ``census_kind``: what ``census`` counts by (``procfs.CENSUSES``)."""
     found: dict[str, Breach] = {}
-    uncapped = [sb for sb in sandboxes if sb.cgroup is None and sb.spec.limits.memory_mb is not None]
-    rss = rss_census(census_kind, set().union(*(sb.census_keys() for sb in uncapped))) if uncapped else Counter()
+    read = [sb for sb in sandboxes if _reads_proc_memory(sb)]
+    rss = rss_census(census_kind, set().union(*(sb.census_keys() for sb in read))) if read else Counter()
     for sb in sandboxes:
         lim = sb.spec.limits
         count = sb.process_count(census)
@@ -53,12 +54,11 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
                                                    f"{lim.max_processes} (max_processes)")
             continue
         if lim.memory_mb is not None:
-            if sb.cgroup is not None:
-                if kills := sb.cgroup.oom_kills():
-                    found[sb.id] = Breach("memory_mb", f"the kernel killed {kills} of its processes for going over "
-                                                       f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
-                    continue
-            else:
+            if sb.cgroup is not None and (kills := sb.cgroup.oom_kills()):
+                found[sb.id] = Breach("memory_mb", f"the kernel killed {kills} of its processes for going over "
+                                                   f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
+                continue
+            if _reads_proc_memory(sb):
                 used = sum(rss[k] for k in sb.census_keys()) + sb.tmpfs_bytes()
                 if used > lim.memory_mb * MiB:
                     found[sb.id] = Breach("memory_mb", f"its processes and tmpfs held {used // MiB} MiB, over "
@@ -75,6 +75,11 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
                 found[sb.id] = Breach("workspace_mb", f"its files took {used // MiB} MiB of disk, over its cap of "
                                                       f"{lim.workspace_mb} MiB (workspace_mb)")
     return found
+
+
+def _reads_proc_memory(sb: Sandbox) -> bool:
+    """Whether the memory cap is checked from /proc: no cgroup holds it, or one its processes may leave."""
+    return sb.spec.limits.memory_mb is not None and (sb.cgroup is None or sb.cgroup_leavable)
 
 
 def disk_usage(path: Path) -> int:
