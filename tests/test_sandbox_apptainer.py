@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from proc_support import identities, still_running
+from support.waits import async_wait_until
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.caps import find_breaches
@@ -128,18 +127,17 @@ async def test_memory_taken_outside_a_leavable_cgroup_still_counts(short_tmp: Pa
     try:
         sb = lease.sandbox
         assert sb.cgroup is not None and not sb.cgroup_leavable
-        await lease.run("nohup python3 -c \"import os, time\nwhile not os.path.exists('/workspace/go'): time.sleep(0.05)"
-                        f"\nx = b'x' * ({HOLD_MB} << 20)\ntime.sleep(600)\" rld-hold > /dev/null 2>&1 &")
-        deadline = time.monotonic() + ESCAPE_WAIT_S
-        while not (held := [p for p in map(psutil.Process, sb.process_ids()) if "rld-hold" in p.cmdline()]):
-            assert time.monotonic() < deadline, f"the holding process did not start within {ESCAPE_WAIT_S} s"
-            await asyncio.sleep(0.05)
+        # It takes its memory once the FIFO is written to, then holds it until the sandbox stops.
+        await lease.run("mkfifo /workspace/go && nohup python3 -c \"open('/workspace/go').read()"
+                        f"\nx = b'x' * ({HOLD_MB} << 20)\nimport signal\nsignal.pause()\" rld-hold > /dev/null 2>&1 &")
+        held = await async_wait_until(
+            lambda: [p for p in map(psutil.Process, sb.process_ids()) if "rld-hold" in p.cmdline()],
+            ESCAPE_WAIT_S, "the holding process's start")
         # What the sandbox could do itself with a writable cgroup filesystem, done from the host.
         (sb.cgroup.path.parent / "cgroup.procs").write_text(str(held[0].pid))
-        await lease.run("touch /workspace/go")
-        while held[0].memory_info().rss < HOLD_MB << 20:
-            assert time.monotonic() < deadline, f"the escaped process did not take {HOLD_MB} MiB within {ESCAPE_WAIT_S} s"
-            await asyncio.sleep(0.05)
+        await lease.run("echo go > /workspace/go")
+        await async_wait_until(lambda: held[0].memory_info().rss >= HOLD_MB << 20, ESCAPE_WAIT_S,
+                               f"the escaped process taking {HOLD_MB} MiB")
         assert find_breaches([sb], backend.census(), backend.census_kind, check_disk=False) == {}
         sb.cgroup_leavable = True
         (breach,) = find_breaches([sb], backend.census(), backend.census_kind, check_disk=False).values()
