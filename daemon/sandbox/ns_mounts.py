@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import sys
 
@@ -52,7 +53,11 @@ _KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noa
 WORKSPACE_FAILED = 1
 SEAL_FAILED = 2
 
-_libc = ctypes.CDLL(None, use_errno=True)
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    # Made on first use: the worker imports this module only for its exit codes.
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(result: int, what: str) -> None:
@@ -66,14 +71,14 @@ def enter(pid: int) -> None:
     for ns, flag in (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS)):
         fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _check(_libc.setns(fd, flag), f"setns into the {ns} namespace of process {pid}")
+            _check(_libc().setns(fd, flag), f"setns into the {ns} namespace of process {pid}")
         finally:
             os.close(fd)
     os.chdir("/")
 
 
 def mount_tmpfs(path: str, size_mb: int) -> None:
-    _check(_libc.mount(b"rolloutd-workspace", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+    _check(_libc().mount(b"rolloutd-workspace", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                        f"size={size_mb}m,mode=0700".encode()), f"mount a {size_mb} MiB tmpfs at {path}")
 
 
@@ -95,7 +100,7 @@ def cgroup_mounts(pid: int) -> list[tuple[str, int]]:
 def seal_cgroups(mounts: list[tuple[str, int]]) -> None:
     """Make every mount of ``cgroup_mounts`` read-only (inside the namespace)."""
     for point, kept in mounts:
-        _check(_libc.mount(None, point.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None),
+        _check(_libc().mount(None, point.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None),
                f"make {point} read-only")
 
 
