@@ -27,6 +27,11 @@ HTTP client CPU, against each server: the backends' lean HTTP/1.1 client
 a time, in alternating rounds; each round's process CPU over its calls is one sample, and
 ``*_client_cpu_ratio`` (aiohttp / lean, the median of the rounds' ratios) says how many times
 cheaper the lean client is. Target: >= 2.
+
+Answer decoding, on real vLLM answers of DECODE_TOKENS tokens: the client CPU per generated token
+of turning the answer's bytes into ids and log-probabilities, rolloutd's backend (its JSON
+reading, field extraction and checks, arrays included) against ``json.loads`` and two list
+comprehensions (the raw path above), in alternating rounds (``decode_us_per_token_*``).
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from rolloutd.daemon.inference.base import SamplingParams
+from rolloutd.daemon.inference.base import SamplingParams, checked_result
 from rolloutd.daemon.inference.http1 import HTTP1Client
+from rolloutd.daemon.inference.http_backend import loads_answer
 from rolloutd.daemon.inference.pool import ServerPool
+from rolloutd.daemon.inference.vllm_http import parse_generate_response
 from rolloutd.daemon.policy.model import default_model
 
 API_KEY = "bench-key"
@@ -56,6 +63,8 @@ MAX_TOKENS = 8
 CLIENT_CONCURRENCY = 32
 CLIENT_TARGET_RATIO = 2.0
 OBSERVATION = [1, 580, 207, 5, 73, 22, 310, 207, 6, 2, 207, 1, 464, 207]
+DECODE_TOKENS = 512
+"""A long agent turn's length: per-token costs show there, not in 1-token answers."""
 
 
 @dataclass
@@ -125,6 +134,34 @@ async def _measure(concurrency: int, turns: int, run_one: Any) -> Level:
     level.cpu_s = time.process_time() - cpu
     level.calls = len(level.latency_ms)
     return level
+
+
+def decode_cost(answers: list[bytes], rounds: int) -> dict[str, float]:
+    """Microseconds of CPU per generated token to decode ``answers`` (real generate answers):
+    rolloutd's backend against json.loads and list comprehensions, rounds alternating; medians."""
+    tokens = sum(len(json.loads(a)["choices"][0]["token_ids"]) for a in answers)
+    params = SamplingParams(max_tokens=DECODE_TOKENS)
+
+    def ours() -> None:
+        for raw in answers:
+            ids, logprobs, finish, spans, top = parse_generate_response(loads_answer(raw), "bench")
+            checked_result(ids, logprobs, finish, params=params, server="bench", what="bench", weight_spans=spans,
+                           top=top)
+
+    def plain() -> None:
+        for raw in answers:
+            choice = json.loads(raw)["choices"][0]
+            [entry["token_id"] for entry in choice["logprobs"]["content"]]
+            [entry["logprob"] for entry in choice["logprobs"]["content"]]
+
+    samples: dict[str, list[float]] = {"ours": [], "json": []}
+    for _ in range(rounds):
+        for name, decode in (("ours", ours), ("json", plain)):
+            t0 = time.process_time()
+            decode()
+            samples[name].append(1e6 * (time.process_time() - t0) / tokens)
+    return {f"decode_us_per_token_{name}": statistics.median(v) for name, v in samples.items()} | {
+        "decode_tokens": tokens}
 
 
 async def client_cpu(base_url: str, headers: dict[str, str], rounds: int, calls: int,
@@ -272,6 +309,13 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
                 result = await pool.generate(prompt, SamplingParams(max_tokens=32, ignore_eos=True),
                                              trajectory_id=f"f{k}", timeout_s=120)
                 record.append((prompt, result))
+            answers = []
+            for k in range(4):
+                body = json.dumps({"request_id": f"long{k}", "token_ids": _prompt(k), "stream": False, "sampling_params": {
+                    "max_tokens": DECODE_TOKENS, "ignore_eos": True, "logprobs": 0, "detokenize": False}}).encode()
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    answers.append(await resp.read())
+        decode = decode_cost(answers, rounds=10 if quick else 40)
         client = await client_cpu(server.url, {"Content-Type": "application/json"},
                                   rounds=4 if quick else 10, calls=64 if quick else 200, max_tokens=1)
     finally:
@@ -284,7 +328,7 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
             "vllm_fidelity_max_abs_diff": fidelity,
             "vllm_fidelity_tokens_checked": int(sum(len(r.token_ids) for _, r in record)),
             "vllm_meets_target": overhead <= TARGET_MS and fidelity <= 1e-5,
-            **{f"vllm_{k}": v for k, v in client.items()}}
+            **{f"vllm_{k}": v for k, v in client.items()}, **decode}
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -311,6 +355,10 @@ def print_table(results: dict[str, Any]) -> None:
           f"(target <= {TARGET_MS} ms); fidelity vs transformers {results['vllm_fidelity_max_abs_diff']:.2e} over "
           f"{results['vllm_fidelity_tokens_checked']} tokens (limit 1e-5): "
           f"{'met' if results['vllm_meets_target'] else 'NOT met'}")
+    print(f"decoding real vLLM answers ({results['decode_tokens']} tokens in {DECODE_TOKENS}-token answers): "
+          f"rolloutd's backend {results['decode_us_per_token_ours']:.3f} us/token (checks and arrays included), "
+          f"json.loads + list comprehensions {results['decode_us_per_token_json']:.3f} us/token, json/ours "
+          f"{results['decode_us_per_token_json'] / results['decode_us_per_token_ours']:.2f}x")
     for server, name in (("ref", "reference policy"), ("vllm", "real vLLM")):
         ratio = results[f"{server}_client_cpu_ratio"]
         print(f"HTTP client CPU per generate call against the {name} ({results[f'{server}_client_rounds']} interleaved "

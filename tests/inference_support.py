@@ -19,10 +19,11 @@ from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.policy.server import PolicyServerConfig, PolicyServerHandle, serve_policy
 
 API_KEY = "test-key-123"
+NAN = float("nan")
 PROMPT = [1, 464, 207, 918, 971, 34, 276, 74, 75, 207, 2, 207, 1, 580, 207]
 
 BAD_MODES = ("ok", "http500", "truncated", "no_logprobs", "short_logprobs", "hang", "disconnect",
-             "unauthorized", "bad_request", "too_many", "wrong_token")
+             "unauthorized", "bad_request", "too_many", "wrong_token", "nan_logprob")
 
 
 @contextlib.asynccontextmanager
@@ -104,7 +105,8 @@ class BadServer:
 
     async def _misbehave(self, request: web.Request, good: dict[str, Any],
                          without_logprobs: dict[str, Any], short: dict[str, Any],
-                         too_many: dict[str, Any], wrong_token: dict[str, Any]) -> web.StreamResponse:
+                         too_many: dict[str, Any], wrong_token: dict[str, Any],
+                         nan_logprob: dict[str, Any]) -> web.StreamResponse:
         body = await request.json()
         if not any(key in body for key in ("token_ids", "prompt", "input_ids")):
             # What vLLM's and SGLang's request validation answer (and what protocol probes send).
@@ -133,8 +135,8 @@ class BadServer:
             request.transport.close()
             return resp
         answers = {"ok": good, "no_logprobs": without_logprobs, "short_logprobs": short,
-                   "too_many": too_many, "wrong_token": wrong_token}
-        return web.json_response(answers[self.mode])
+                   "too_many": too_many, "wrong_token": wrong_token, "nan_logprob": nan_logprob}
+        return web.json_response(answers[self.mode])  # json.dumps: a NaN goes out as the bare word NaN
 
     async def _vllm_generate(self, request: web.Request) -> web.StreamResponse:
         def answer(ids: list[int], lps: list[float] | None, names: list[int] | None = None) -> dict[str, Any]:
@@ -146,7 +148,7 @@ class BadServer:
         return await self._misbehave(
             request, answer([5, 6, 2], [-1.0, -2.0, -0.5]), answer([5, 6, 2], None),
             answer([5, 6, 2], [-1.0, -2.0]), answer(list(range(3, 103)), [-1.0] * 100),
-            answer([5, 6, 2], [-1.0, -2.0, -0.5], names=[5, 7, 2]))
+            answer([5, 6, 2], [-1.0, -2.0, -0.5], names=[5, 7, 2]), answer([5, 6, 2], [-1.0, NAN, -0.5]))
 
     async def _vllm_completions(self, request: web.Request) -> web.StreamResponse:
         def answer(ids: list[int], lps: list[float] | None) -> dict[str, Any]:
@@ -157,7 +159,7 @@ class BadServer:
         return await self._misbehave(
             request, answer([5, 6, 2], [-1.0, -2.0, -0.5]), answer([5, 6, 2], None),
             answer([5, 6, 2], [-1.0, -2.0]), answer(list(range(3, 103)), [-1.0] * 100),
-            answer([5, 6, 2], [-1.0, None, -0.5]))  # type: ignore[list-item]
+            answer([5, 6, 2], [-1.0, None, -0.5]), answer([5, 6, 2], [-1.0, NAN, -0.5]))  # type: ignore[list-item]
 
     async def _sglang_generate(self, request: web.Request) -> web.StreamResponse:
         def answer(ids: list[int], lps: list[float] | None, output_ids: list[int] | None = None) -> dict[str, Any]:
@@ -169,7 +171,7 @@ class BadServer:
         return await self._misbehave(
             request, answer([5, 6, 2], [-1.0, -2.0, -0.5]), answer([5, 6, 2], None),
             answer([5, 6, 2], [-1.0, -2.0], output_ids=[5, 6, 2]), answer(list(range(3, 103)), [-1.0] * 100),
-            answer([5, 6, 2], [-1.0, -2.0, -0.5], output_ids=[5, 7, 2]))
+            answer([5, 6, 2], [-1.0, -2.0, -0.5], output_ids=[5, 7, 2]), answer([5, 6, 2], [-1.0, NAN, -0.5]))
 
 
 @contextlib.asynccontextmanager

