@@ -22,6 +22,8 @@ from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.cli.run_lock import running_pid
 from rolloutd.daemon.node.sandbox_user import workers_dir
+from rolloutd.daemon.sandbox import ns_mounts
+from rolloutd.daemon.sandbox.apptainer import NS_MOUNTS_SCRIPT
 from rolloutd.native_io.errors import SandboxLimit
 
 SCRIPT = Path(__file__).with_name("caps_smoke.py")
@@ -133,6 +135,21 @@ def test_a_sandbox_cannot_leave_its_memory_cgroup(short_tmp: Path) -> None:
                 assert sb.run("grep :memory: /proc/self/cgroup | cut -d: -f3").output.strip() == own
                 (worker,) = client.status()["workers"]
                 assert worker["pool"]["memory_caps"].startswith("cgroup v1 ")
+
+
+def test_the_mount_helper_reads_its_arguments_or_reports_both_mounts_failed() -> None:
+    assert ns_mounts.parse_args(["12"]) == (12, None, False)
+    assert ns_mounts.parse_args(["12", "--workspace", "/workspace", "64", "--seal-cgroups"]) == (
+        12, ("/workspace", 64), True)
+    assert ns_mounts.parse_args(["--seal-cgroups", "12"]) == (12, None, True)
+    for bad in ([], ["x"], ["12", "13"], ["12", "--workspace", "/w"], ["12", "--workspace", "/w", "big"],
+                ["12", "--seal"]):
+        with pytest.raises(ValueError):
+            ns_mounts.parse_args(bad)
+    # As the sandbox starts it: an exit that clears neither failure bit would read as both mounts made.
+    run = subprocess.run([sys.executable, "-I", "-S", str(NS_MOUNTS_SCRIPT), "12", "--workspace"],
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == ns_mounts.WORKSPACE_FAILED + ns_mounts.SEAL_FAILED and "usage" in run.stderr, run
 
 
 @pytest.mark.apptainer
