@@ -42,8 +42,10 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -278,7 +280,7 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
 
     model = await asyncio.to_thread(ensure_tiny_model, cache_dir(), python=vllm_python())
     pairs = 60 if quick else 300
-    server = VLLMServer(model, max_model_len=4096)
+    server = VLLMServer(model, max_model_len=4096, log_path=Path(tempfile.mkdtemp(prefix="rld-io-")) / "vllm.log")
     await asyncio.to_thread(server.start)
     direct_ms: list[float] = []
     pool_ms: list[float] = []
