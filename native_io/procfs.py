@@ -84,9 +84,9 @@ def live_processes() -> list[ProcInfo]:
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _rss(pid: str) -> int:
+def _rss(pid: str, proc: str = "/proc") -> int:
     try:
-        fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(f"{proc}/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return 0
     try:
@@ -112,6 +112,37 @@ def rss_census(kind: str, keys: set[int]) -> Counter[int]:
         if entry.name.isdigit() and (key := key_of(entry.name)) in keys:
             out[key] += _rss(entry.name)
     return out
+
+
+def namespace_proc(init_pid: int) -> str | None:
+    """The procfs of ``init_pid``'s PID namespace, as its own root shows it: it lists every
+    process of that namespace and of the namespaces nested in it, zombies included. None when
+    that mount is not a procfs of the namespace (a host /proc bound in) or cannot be read."""
+    proc = f"/proc/{init_pid}/root/proc"
+    try:
+        # Pid 1 there is the namespace's init when the mount belongs to the namespace.
+        same = os.readlink(f"{proc}/1/ns/pid") == os.readlink(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return None
+    return proc if same else None
+
+
+def count_processes(proc: str) -> int | None:
+    """Processes a procfs lists; None when it cannot be read (its namespace is gone)."""
+    try:
+        with os.scandir(proc) as entries:
+            return sum(entry.name.isdigit() for entry in entries)
+    except OSError:
+        return None
+
+
+def resident_bytes(proc: str) -> int:
+    """Resident bytes of the processes a procfs lists (pages two of them share count twice)."""
+    try:
+        with os.scandir(proc) as entries:
+            return sum(_rss(entry.name, proc) for entry in entries if entry.name.isdigit())
+    except OSError:
+        return 0
 
 
 def session_census() -> Counter[int]:

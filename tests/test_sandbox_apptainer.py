@@ -112,6 +112,28 @@ async def test_memory_hog_fails_alone(short_tmp: Path) -> None:
         await lease.destroy()
 
 
+NESTED = 60
+NESTED_WAIT_S = 30
+"""Named: how long the nested namespace's sleepers may take to start."""
+
+
+async def test_processes_in_a_nested_pid_namespace_count_towards_max_processes(short_tmp: Path) -> None:
+    """A sandbox's processes may make PID namespaces of their own (``unshare -p``). Counted by
+    namespace, what ran in those was missed, and a fork bomb there went past max_processes."""
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
+    lease = await open_lease(backend.create(SandboxSpec(ipython=False, limits=SandboxLimits(max_processes=40))))
+    try:
+        sb = lease.sandbox
+        assert not sb.needs_census
+        await lease.run(f"unshare -Urpf sh -c 'for i in $(seq {NESTED}); do sleep 300 & done; wait' >/dev/null 2>&1 &")
+        await async_wait_until(lambda: sb.process_count(backend.census()) > NESTED, NESTED_WAIT_S,
+                               "the nested namespace's sleepers counted as the sandbox's")
+        (breach,) = find_breaches([sb], backend.census(), backend.census_kind, check_disk=False).values()
+        assert breach.cap == "max_processes", breach
+    finally:
+        await lease.destroy()
+
+
 HOLD_MB = 96
 ESCAPE_WAIT_S = 30
 """Named: how long the escaped process may take to start, and to take its memory."""

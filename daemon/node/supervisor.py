@@ -232,12 +232,13 @@ class Supervisor:
 
     async def _census_loop(self) -> None:
         """One /proc pass per watchdog interval for the whole node, sent to the workers that have
-        sandboxes: each would otherwise read every process of the host itself, so the cost grew
-        with workers x processes. A worker whose census goes stale scans on its own."""
+        sandboxes that read it (Apptainer instances count their own processes): each would
+        otherwise read every process of the host itself, so the cost grew with workers x
+        processes. A worker whose census goes stale scans on its own."""
         while True:
             await asyncio.sleep(CENSUS_INTERVAL_S)
             workers = [w for w in self.workers if w.ready and w.census_kind in CENSUSES
-                       and any(w.stats.get("pool", {}).get(k) for k in ("ready", "starting", "leased"))]
+                       and w.stats.get("pool", {}).get("needs_census")]
             for kind in {w.census_kind for w in workers}:
                 census = await asyncio.to_thread(CENSUSES[kind])
                 frames = framing.encode(MsgType.CENSUS, {"keys": list(census), "counts": list(census.values())})

@@ -17,6 +17,10 @@
   watchdog also sums their memory from /proc (``cgroup_leavable``).
 - Instance state and logs live under the daemon's own ``APPTAINER_CONFIGDIR`` so they never mix
   with the user's instances and are removed with the sandbox.
+- Processes are counted, for ``max_processes``, in the instance's own /proc (``procfs.namespace_proc``):
+  it lists the PID namespaces its processes nest in it too (``unshare -p``), which a count by
+  namespace would miss. Where that /proc is not the namespace's, the node-wide census by
+  namespace stands in.
 - Stop ladder: SIGTERM to the instance's init, then SIGKILL; killing a PID namespace's init kills
   every process in it, including those started with ``apptainer exec instance://``.
 """
@@ -32,13 +36,21 @@ import signal
 import socket
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import psutil
 
 from rolloutd.native_io.errors import ConfigError, SandboxStartError
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
-from rolloutd.native_io.procfs import ProcInfo, live_processes, pidns_of
+from rolloutd.native_io.procfs import (
+    ProcInfo,
+    count_processes,
+    live_processes,
+    namespace_proc,
+    pidns_of,
+    resident_bytes,
+)
 from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
@@ -67,6 +79,8 @@ class ApptainerSandbox(Sandbox):
         self.init_pid: int | None = None
         self._init: ProcessHandle | None = None
         self._pidns: int | None = None
+        self._proc: str | None = None
+        """The instance's own /proc, seen from the host (see the module's note)."""
         self.image_path: Path | None = None
         self.workspace_capped = False
         """``/workspace`` is the size-capped tmpfs (see the module's note), not the lease folder."""
@@ -156,6 +170,10 @@ class ApptainerSandbox(Sandbox):
                 f"{output}\ncommand: {' '.join(argv)}"
             )
         self._adopt_init(int(pid_text))
+        self._proc = namespace_proc(int(pid_text))
+        if self._proc is None:
+            log.warning("sandbox %s: its /proc is not its PID namespace's; the watchdog counts its processes by "
+                        "namespace, which misses namespaces they nest", self.id)
         await self._mount_inside(start_log)
 
     async def _mount_inside(self, log_path: Path) -> None:
@@ -250,6 +268,17 @@ class ApptainerSandbox(Sandbox):
 
     def census_keys(self) -> set[int]:
         return {self._pidns} if self._pidns is not None else set()
+
+    @property
+    def needs_census(self) -> bool:
+        return self._proc is None
+
+    def process_count(self, census: Counter[int]) -> int:
+        count = count_processes(self._proc) if self._proc is not None else None
+        return count if count is not None else super().process_count(census)
+
+    def proc_memory_bytes(self, rss: Counter[int]) -> int:
+        return resident_bytes(self._proc) if self._proc is not None else super().proc_memory_bytes(rss)
 
     async def stop(self) -> None:
         init = self._init

@@ -235,9 +235,19 @@ class Sandbox(abc.ABC):
         """What its processes are counted by in its backend's :meth:`SandboxBackend.census`."""
         return self.session_ids
 
+    @property
+    def needs_census(self) -> bool:
+        """Whether :meth:`process_count` and :meth:`proc_memory_bytes` read the backend's census;
+        a sandbox that counts its own processes without one says False."""
+        return True
+
     def process_count(self, census: Counter[int]) -> int:
         """Processes of this sandbox in its backend's :meth:`SandboxBackend.census`."""
         return sum(census[k] for k in self.census_keys())
+
+    def proc_memory_bytes(self, rss: Counter[int]) -> int:
+        """Resident bytes of its processes, from ``rss`` (``procfs.rss_census`` by its census keys)."""
+        return sum(rss[k] for k in self.census_keys())
 
     def limits_prelude(self) -> str:
         """Shell text that applies the process limits to whatever the shell starts next.

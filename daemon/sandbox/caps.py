@@ -44,7 +44,7 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
     """The sandboxes over a cap, by id (one census, and one /proc pass for the memory of those
     whose cap no cgroup holds, for them all). ``census_kind``: what ``census`` counts by (``procfs.CENSUSES``)."""
     found: dict[str, Breach] = {}
-    read = [sb for sb in sandboxes if _reads_proc_memory(sb)]
+    read = [sb for sb in sandboxes if _reads_proc_memory(sb) and sb.needs_census]
     rss = rss_census(census_kind, set().union(*(sb.census_keys() for sb in read))) if read else Counter()
     for sb in sandboxes:
         lim = sb.spec.limits
@@ -59,7 +59,7 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
                                                    f"its memory cap of {lim.memory_mb} MiB (memory_mb)")
                 continue
             if _reads_proc_memory(sb):
-                used = sum(rss[k] for k in sb.census_keys()) + sb.tmpfs_bytes()
+                used = sb.proc_memory_bytes(rss) + sb.tmpfs_bytes()
                 if used > lim.memory_mb * MiB:
                     found[sb.id] = Breach("memory_mb", f"its processes and tmpfs held {used // MiB} MiB, over "
                                                        f"its memory cap of {lim.memory_mb} MiB (memory_mb)")

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -408,7 +408,8 @@ class WarmPool:
                       if not l.lost_reason]
             if not leases:
                 continue
-            census = self._fresh_census()
+            # A node-wide pass over /proc only for sandboxes that cannot count their own processes.
+            census = self._fresh_census() if self.needs_census(leases) else Counter()
             if census is None:
                 self.counters["own_censuses"] += 1
                 census = await asyncio.to_thread(self.backend.census)
@@ -437,6 +438,12 @@ class WarmPool:
         self._given_census = (time.monotonic(), census)
         self.counters["given_censuses"] += 1
 
+    def needs_census(self, leases: Iterable[Lease] | None = None) -> bool:
+        """Whether a sandbox of ``leases`` (default: all, ready and leased) reads the backend's census."""
+        if leases is None:
+            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
+        return any(l.sandbox.needs_census for l in leases)
+
     def _fresh_census(self) -> Counter[int] | None:
         if self._given_census is None:
             return None
@@ -450,6 +457,7 @@ class WarmPool:
             "leased": len(self._leased), "destroying": len(self._destroying),
             "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
             "starts_waiting": self.start_gate.waiting,
+            "needs_census": self.needs_census(),
             **self.counters,
         }
 
