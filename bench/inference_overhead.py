@@ -313,8 +313,9 @@ async def vllm_section(quick: bool) -> dict[str, Any]:
                 record.append((prompt, result))
             answers = []
             for k in range(4):
-                body = json.dumps({"request_id": f"long{k}", "token_ids": _prompt(k), "stream": False, "sampling_params": {
-                    "max_tokens": DECODE_TOKENS, "ignore_eos": True, "logprobs": 0, "detokenize": False}}).encode()
+                body = json.dumps({"request_id": f"long{k}", "token_ids": _prompt(k), "stream": False,
+                                   "sampling_params": {"max_tokens": DECODE_TOKENS, "ignore_eos": True, "logprobs": 0,
+                                                       "detokenize": False}}).encode()
                 async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                     answers.append(await resp.read())
         decode = decode_cost(answers, rounds=10 if quick else 40)

@@ -184,7 +184,8 @@ def test_fork_bomb_is_stopped_by_the_watchdog(short_tmp: Path, backend: str, cen
                     sb.run("echo hi")
                 # Workers report their counters once a second: the report that holds the kill
                 # holds the scans made up to it.
-                wait_until(lambda: sum(counted("watchdog_kills")) == 1, CENSUS_WAIT_S, "the kill in the workers' report")
+                wait_until(lambda: sum(counted("watchdog_kills")) == 1, CENSUS_WAIT_S,
+                           "the kill in the workers' report")
                 assert sum(counted("own_censuses")) - before <= 1, "the workers scanned /proc themselves"
                 if not census:
                     assert sum(counted("given_censuses")) == sum(counted("own_censuses")) == 0

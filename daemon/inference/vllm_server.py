@@ -124,7 +124,8 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise InferenceError(f"the vLLM server exited with code {self.process.returncode} before it was "
-                                     f"ready; see {self.log_path or 'its output (not kept: pass log_path)'}{self._log_tail()}")
+                                     f"ready; see {self.log_path or 'its output (not kept: pass log_path)'}"
+                                     f"{self._log_tail()}")
             if self.healthy(timeout_s=HEALTH_PROBE_TIMEOUT_S):
                 return
             time.sleep(READY_POLL_S)

@@ -238,7 +238,7 @@ class WarmPool:
         self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
                          "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0,
                          "given_censuses": 0, "start_wait_s": 0.0}
-        self._given_census: tuple[float, Counter[int]] | None = None
+        self._given_census = GivenCensus(max_age_s=3 * watchdog_interval_s)
         self.last_start_error: str | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -404,12 +404,10 @@ class WarmPool:
         next_disk_check = time.monotonic() + self.disk_check_interval_s
         while True:
             await asyncio.sleep(self.watchdog_interval_s)
-            leases = [l for l in (*self._leased.values(), *(l for q in self._ready.values() for l in q))
-                      if not l.lost_reason]
+            leases = self._checked_leases()
             if not leases:
                 continue
-            # A node-wide pass over /proc only for sandboxes that cannot count their own processes.
-            census = self._fresh_census() if self.needs_census(leases) else Counter()
+            census = self._given_census.fresh() if needs_census(leases) else Counter()
             if census is None:
                 self.counters["own_censuses"] += 1
                 census = await asyncio.to_thread(self.backend.census)
@@ -435,20 +433,12 @@ class WarmPool:
     def take_census(self, census: Counter[int]) -> None:
         """A census of the backend's kind taken elsewhere: the supervisor's one pass over /proc for all the
         workers of a node (each would read every process of the host). Used while fresh, else the watchdog scans."""
-        self._given_census = (time.monotonic(), census)
+        self._given_census.give(census)
         self.counters["given_censuses"] += 1
 
-    def needs_census(self, leases: Iterable[Lease] | None = None) -> bool:
-        """Whether a sandbox of ``leases`` (default: all, ready and leased) reads the backend's census."""
-        if leases is None:
-            leases = [*self._leased.values(), *(l for q in self._ready.values() for l in q)]
-        return any(l.sandbox.needs_census for l in leases)
-
-    def _fresh_census(self) -> Counter[int] | None:
-        if self._given_census is None:
-            return None
-        taken_at, census = self._given_census
-        return census if time.monotonic() - taken_at <= 3 * self.watchdog_interval_s else None
+    def _checked_leases(self) -> list[Lease]:
+        """What the watchdog checks: the leases out and the ready ones, none lost yet."""
+        return [l for l in (*self._leased.values(), *(l for q in self._ready.values() for l in q)) if not l.lost_reason]
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -457,9 +447,33 @@ class WarmPool:
             "leased": len(self._leased), "destroying": len(self._destroying),
             "memory_caps": self.backend.cgroups.describe() if self.backend.cgroups else "watchdog reading /proc",
             "starts_waiting": self.start_gate.waiting,
-            "needs_census": self.needs_census(),
+            "needs_census": needs_census(self._checked_leases()),
             **self.counters,
         }
+
+
+def needs_census(leases: Iterable[Lease]) -> bool:
+    """Whether a sandbox of ``leases`` reads its backend's node-wide census (``Sandbox.needs_census``):
+    Apptainer instances count their own processes."""
+    return any(l.sandbox.needs_census for l in leases)
+
+
+class GivenCensus:
+    """A census taken elsewhere (the supervisor's one pass over /proc for all the workers of a
+    node), used while fresh; after that the watchdog scans for itself."""
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._given: tuple[float, Counter[int]] | None = None
+
+    def give(self, census: Counter[int]) -> None:
+        self._given = (time.monotonic(), census)
+
+    def fresh(self) -> Counter[int] | None:
+        if self._given is None:
+            return None
+        taken_at, census = self._given
+        return census if time.monotonic() - taken_at <= self.max_age_s else None
 
 
 def check_free_space(folder: Path, needed_mb: int) -> None:
