@@ -22,19 +22,30 @@ class ProcInfo:
     """Inode of the process's PID namespace (None when it cannot be read)."""
 
 
-def _stat(pid: int | str) -> bytes | None:
-    # os.open/os.read, not open(): this runs for every process on the host once a second, and a
-    # file object costs as much again as the read.
+def read_small(path: str | bytes, limit: int = 4096) -> bytes | None:
+    """Up to ``limit`` bytes of a kernel file (/proc, cgroups); None when it cannot be read.
+    os.open/os.read, not open(): the watchdog reads such files for every process or sandbox once
+    a second, and a file object costs as much again as the read."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        return os.read(fd, 4096)
+        return os.read(fd, limit)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def pids(proc: str = "/proc") -> list[str]:
+    """The process folders a procfs lists (OSError when it cannot be read)."""
+    with os.scandir(proc) as entries:
+        return [entry.name for entry in entries if entry.name.isdigit()]
+
+
+def _stat(pid: int | str) -> bytes | None:
+    return read_small(f"/proc/{pid}/stat")
 
 
 def pid_alive(pid: int) -> bool:
@@ -42,11 +53,12 @@ def pid_alive(pid: int) -> bool:
     return stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
-def pidns_of(pid: int | str) -> int | None:
-    """Inode of ``pid``'s PID namespace; None when it cannot be read (gone, or not ours)."""
+def pidns_of(pid: int | str, proc: str = "/proc") -> int | None:
+    """Inode of ``pid``'s PID namespace (``pid`` as ``proc`` numbers it); None when it cannot be
+    read (gone, or not ours)."""
     try:
         # The link reads "pid:[<inode>]": cheaper than a stat of it.
-        return int(os.readlink(f"/proc/{pid}/ns/pid")[5:-1])
+        return int(os.readlink(f"{proc}/{pid}/ns/pid")[5:-1])
     except (OSError, ValueError):
         return None
 
@@ -57,18 +69,16 @@ def pidns_census() -> Counter[int]:
     One readlink per process and no stat parse: a fifth of what ``live_processes`` costs, and the
     watchdog runs it every second on hosts with hundreds of sandbox processes."""
     census: Counter[int] = Counter()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (ns := pidns_of(entry.name)) is not None:
+    for pid in pids():
+        if (ns := pidns_of(pid)) is not None:
             census[ns] += 1
     return census
 
 
 def live_processes() -> list[ProcInfo]:
     out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(entry.name)
+    for pid in pids():
+        stat = _stat(pid)
         if stat is None:
             continue
         # Field 2 (comm) may hold spaces and parentheses: split after the last ')'.
@@ -76,8 +86,8 @@ def live_processes() -> list[ProcInfo]:
         rest = stat[close + 2 :].split()
         if rest[0] == b"Z":
             continue
-        out.append(ProcInfo(int(entry.name), stat[stat.find(b"(") + 1 : close].decode(errors="replace"),
-                            int(rest[3]), pidns_of(entry.name)))  # rest: state, ppid, pgrp, session
+        out.append(ProcInfo(int(pid), stat[stat.find(b"(") + 1 : close].decode(errors="replace"),
+                            int(rest[3]), pidns_of(pid)))  # rest: state, ppid, pgrp, session
     return out
 
 
@@ -85,16 +95,11 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _rss(pid: str, proc: str = "/proc") -> int:
+    statm = read_small(f"{proc}/{pid}/statm", 256)
     try:
-        fd = os.open(f"{proc}/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        return int(statm.split()[1]) * _PAGE if statm is not None else 0
+    except (IndexError, ValueError):
         return 0
-    try:
-        return int(os.read(fd, 256).split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
-    finally:
-        os.close(fd)
 
 
 def _session_of(pid: str) -> int | None:
@@ -108,30 +113,25 @@ def rss_census(kind: str, keys: set[int]) -> Counter[int]:
     them share count twice: an upper bound)."""
     key_of = pidns_of if kind == "pidns" else _session_of
     out: Counter[int] = Counter()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (key := key_of(entry.name)) in keys:
-            out[key] += _rss(entry.name)
+    for pid in pids():
+        if (key := key_of(pid)) in keys:
+            out[key] += _rss(pid)
     return out
 
 
-def namespace_proc(init_pid: int) -> str | None:
-    """The procfs of ``init_pid``'s PID namespace, as its own root shows it: it lists every
-    process of that namespace and of the namespaces nested in it, zombies included. None when
-    that mount is not a procfs of the namespace (a host /proc bound in) or cannot be read."""
+def namespace_proc(init_pid: int, pidns: int | None) -> str | None:
+    """The procfs of ``init_pid``'s PID namespace (inode ``pidns``), as its own root shows it: it
+    lists every process of that namespace and of the namespaces nested in it, zombies included.
+    None when that mount is not a procfs of the namespace (a host /proc bound in) or cannot be read."""
     proc = f"/proc/{init_pid}/root/proc"
-    try:
-        # Pid 1 there is the namespace's init when the mount belongs to the namespace.
-        same = os.readlink(f"{proc}/1/ns/pid") == os.readlink(f"/proc/{init_pid}/ns/pid")
-    except OSError:
-        return None
-    return proc if same else None
+    # Pid 1 there is the namespace's init when the mount belongs to the namespace.
+    return proc if pidns is not None and pidns_of(1, proc) == pidns else None
 
 
 def count_processes(proc: str) -> int | None:
     """Processes a procfs lists; None when it cannot be read (its namespace is gone)."""
     try:
-        with os.scandir(proc) as entries:
-            return sum(entry.name.isdigit() for entry in entries)
+        return len(pids(proc))
     except OSError:
         return None
 
@@ -139,8 +139,7 @@ def count_processes(proc: str) -> int | None:
 def resident_bytes(proc: str) -> int:
     """Resident bytes of the processes a procfs lists (pages two of them share count twice)."""
     try:
-        with os.scandir(proc) as entries:
-            return sum(_rss(entry.name, proc) for entry in entries if entry.name.isdigit())
+        return sum(_rss(pid, proc) for pid in pids(proc))
     except OSError:
         return 0
 

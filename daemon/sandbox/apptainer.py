@@ -170,7 +170,7 @@ class ApptainerSandbox(Sandbox):
                 f"{output}\ncommand: {' '.join(argv)}"
             )
         self._adopt_init(int(pid_text))
-        self._proc = namespace_proc(int(pid_text))
+        self._proc = namespace_proc(int(pid_text), self._pidns)
         if self._proc is None:
             log.warning("sandbox %s: its /proc is not its PID namespace's; the watchdog counts its processes by "
                         "namespace, which misses namespaces they nest", self.id)

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rolloutd.native_io.procfs import read_small
+
 log = logging.getLogger(__name__)
 
 CGROUP_ENV = "ROLLOUTD_MEMORY_CGROUP"
@@ -87,18 +89,9 @@ class SandboxCgroup:
 
     def oom_kills(self) -> int:
         """Processes the kernel killed for going over the cap (0 when unreadable)."""
-        # os.open/os.read on a path made once: the watchdog reads this for every sandbox every
-        # round, and a Path join and a text file object cost four times the read itself.
-        try:
-            fd = os.open(self._events_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return 0
-        try:
-            text = os.read(fd, 4096)
-        except OSError:
-            return 0
-        finally:
-            os.close(fd)
+        # A path made once: the watchdog reads this for every sandbox every round, and a Path
+        # join costs more than the read itself.
+        text = read_small(self._events_path) or b""
         at = text.find(b"oom_kill ")
         return int(text[at + 9:].split(None, 1)[0]) if at >= 0 else 0
 
