@@ -38,6 +38,7 @@ import sys
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -55,6 +56,7 @@ from rolloutd.native_io.spawn import ProcessHandle, spawn
 
 from .base import RUN_DIR_INSIDE, SHARED_INSIDE, WORKSPACE_INSIDE, Sandbox, SandboxBackend, SandboxSpec
 from .images import resolve_image
+from .ns_join import NamespaceJoin, namespace_join
 from .ns_mounts import SEAL_FAILED, WORKSPACE_FAILED
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class ApptainerSandbox(Sandbox):
         self.image_path: Path | None = None
         self.workspace_capped = False
         """``/workspace`` is the size-capped tmpfs (see the module's note), not the lease folder."""
+        self._join: NamespaceJoin | None = None
+        """How processes start inside, where the instance's namespaces can be joined (:mod:`.ns_join`)."""
 
     @property
     def run_dir_inside(self) -> str:
@@ -171,6 +175,10 @@ class ApptainerSandbox(Sandbox):
             )
         self._adopt_init(int(pid_text))
         self._proc = namespace_proc(int(pid_text), self._pidns)
+        if self.backend.exec_via == "nsenter":
+            self._join = namespace_join(int(pid_text), image=str(self.image_path), instance=self.instance_name)
+            if self._join is None:
+                log.info("sandbox %s: its namespaces cannot be joined; processes start with apptainer exec", self.id)
         if self._proc is None:
             log.warning("sandbox %s: its /proc is not its PID namespace's; the watchdog counts its processes by "
                         "namespace, which misses namespaces they nest", self.id)
@@ -228,6 +236,8 @@ class ApptainerSandbox(Sandbox):
         return None
 
     def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
+        if self._join is not None and self._init is not None and self._init.alive:
+            return self._join.argv(argv, cwd=cwd or WORKSPACE_INSIDE, env=env)
         # The instance is registered under the daemon's own config dir, which exec must see too.
         cmd = ["env", f"APPTAINER_CONFIGDIR={self.backend.config_dir}", "apptainer", "-q", "exec", "--cleanenv"]
         for k, v in (env or {}).items():
@@ -302,9 +312,12 @@ class ApptainerBackend(SandboxBackend):
     name = "apptainer"
     census_kind = "pidns"  # each instance has a PID namespace of its own
 
-    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0, uncontained_root_ok: bool = False) -> None:
+    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0, uncontained_root_ok: bool = False,
+                 exec_via: Literal["nsenter", "apptainer"] = "nsenter") -> None:
         """``uncontained_root_ok``: as root, start sandboxes anyway, whose root is host root (for
-        trusted code only, such as the tests); refused otherwise."""
+        trusted code only, such as the tests); refused otherwise. ``exec_via``: how shells and
+        kernels start inside an instance: by joining its namespaces where it can
+        (:mod:`.ns_join`), else, or with ``"apptainer"``, through ``apptainer exec``."""
         if not apptainer_available():
             raise SandboxStartError(
                 "the apptainer backend needs the `apptainer` command (>= 1.1); install it "
@@ -320,6 +333,7 @@ class ApptainerBackend(SandboxBackend):
             log.warning("apptainer sandboxes started by root hold host root's privileges (uncontained_root_ok)")
         super().__init__(state_dir)
         self.start_timeout_s = start_timeout_s
+        self.exec_via = exec_via
         self.config_dir = state_dir / "apptainer"
         self.config_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
