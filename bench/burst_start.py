@@ -14,7 +14,12 @@ each figure is the mean of its two rounds. Where a burst's time goes is reported
 queued in the gate, instance start, shell start. Target: burst >= 0.8 x bare, none failed.
 ``--quick`` uses n = 64 (the issue's n is 512: run without --quick).
 
-Then a cold lease (a spec the pool keeps none of) asked for while a warm pool's fill of REFILLS
+Then how a shell starts in an instance: by joining its namespaces (``exec_via="nsenter"``, the
+default) against ``apptainer exec instance://``, alternating, ``EXEC_ROUNDS`` leases each: the
+shell's start and first probe (wall) and the CPU of the lease's child processes over its whole
+life (instance start and stop included, so the difference is the shell's start).
+
+Last, a cold lease (a spec the pool keeps none of) asked for while a warm pool's fill of REFILLS
 sandboxes is queued at the gate, against the same lease at an idle gate, alternating: the gate
 serves a start someone waits for before the refills, so it waits for a start already running
 at most, not for the whole fill (target: <= COLD_BEHIND_FILL_MAX x the idle gate's).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,7 +49,7 @@ from common import check_targets, print_table, standard_args, write_json  # noqa
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend, ApptainerSandbox  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
 from rolloutd.daemon.sandbox.images import resolve_image  # noqa: E402
-from rolloutd.daemon.sandbox.pool import Lease, WarmPool  # noqa: E402
+from rolloutd.daemon.sandbox.pool import Lease, WarmPool, open_lease  # noqa: E402
 from rolloutd.daemon.sandbox.start_gate import StartGateConfig  # noqa: E402
 
 TARGET = 0.8
@@ -55,6 +61,7 @@ COLD_BEHIND_FILL_MAX = 2.5
 REFILLS / concurrency starts more (measured with the refills served first: 1.81 s, 4.5x the idle
 gate's 0.40 s, at concurrency 2)."""
 FILL_QUEUED_TIMEOUT_S = 30.0
+EXEC_ROUNDS = 8
 
 
 async def burst(backend: ApptainerBackend, n: int, concurrency: int) -> dict[str, Any]:
@@ -97,6 +104,29 @@ async def cold_lease(backend: ApptainerBackend, concurrency: int, refills: int) 
         return took
     finally:
         await pool.close()
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+async def exec_paths(state: Path, as_root: bool) -> dict[str, dict[str, float]]:
+    """Per way into an instance: median shell start (s) and child-process CPU of a lease's life (ms)."""
+    backends = {via: ApptainerBackend(state / f"exec-{via}", uncontained_root_ok=as_root, exec_via=via)
+                for via in ("nsenter", "apptainer")}
+    seen: dict[str, dict[str, list[float]]] = {via: {"shell_s": [], "cpu_ms": []} for via in backends}
+    for _ in range(EXEC_ROUNDS):
+        for via, backend in backends.items():
+            cpu0 = _children_cpu_s()
+            lease = await open_lease(backend.create(SPEC))
+            joined = lease.sandbox._join is not None
+            await lease.destroy()
+            if joined != (via == "nsenter"):
+                raise RuntimeError(f"exec_via={via!r} started its shell the other way: the comparison would be void")
+            seen[via]["shell_s"].append(lease.shell_start_s)
+            seen[via]["cpu_ms"].append(1e3 * (_children_cpu_s() - cpu0))
+    return {via: {k: statistics.median(v) for k, v in figures.items()} for via, figures in seen.items()}
 
 
 async def bare(backend: ApptainerBackend, n: int, concurrency: int) -> dict[str, Any]:
@@ -148,6 +178,7 @@ async def main() -> int:
             run = bare if name == "bare" else burst
             rounds[name].append(await run(backend, n, args.concurrency))
             print(f"{name}: {rounds[name][-1]}", flush=True)
+        exec_figures = await exec_paths(state, as_root)
         cold: dict[int, list[float]] = {0: [], REFILLS: []}
         for _ in range(COLD_ROUNDS):
             for refills in cold:
@@ -166,6 +197,8 @@ async def main() -> int:
                "burst_instance_s_per_lease": statistics.fmean(r["instance_s"] for r in b),
                "burst_shell_s_per_lease": statistics.fmean(r["shell_s"] for r in b),
                "burst_max_queued": max(r["max_queued"] for r in b),
+               **{f"shell_start_s_{via}": f["shell_s"] for via, f in exec_figures.items()},
+               **{f"lease_child_cpu_ms_{via}": f["cpu_ms"] for via, f in exec_figures.items()},
                "cold_lease_idle_gate_s": statistics.median(cold[0]),
                "cold_lease_behind_fill_s": statistics.median(cold[REFILLS])}
     results["burst_vs_bare"] = results["burst_instances_per_s"] / results["bare_instances_per_s"]
@@ -179,6 +212,12 @@ async def main() -> int:
           f"{results['burst_instance_s_per_lease']:.2f} s instance start, "
           f"{results['burst_shell_s_per_lease']:.2f} s shell start and probe; "
           f"at most {results['burst_max_queued']} queued")
+    print_table(f"A shell in an instance (median of {EXEC_ROUNDS} leases each, alternating)",
+                ["way in", "shell start + probe s", "child CPU per lease ms"],
+                [["joining its namespaces (nsenter, ours)", results["shell_start_s_nsenter"],
+                  results["lease_child_cpu_ms_nsenter"]],
+                 ["apptainer exec instance://", results["shell_start_s_apptainer"],
+                  results["lease_child_cpu_ms_apptainer"]]])
     behind = results["cold_lease_behind_fill_s"] / results["cold_lease_idle_gate_s"]
     print_table(f"A cold lease, {args.concurrency} starts at a time (median of {COLD_ROUNDS}, alternating)",
                 ["when it is asked for", "seconds"],
