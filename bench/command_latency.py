@@ -155,7 +155,10 @@ async def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="rld-b-"))
     backend = ApptainerBackend(state, uncontained_root_ok=True)
     spec = SandboxSpec(ipython=True, network=True)  # network: the tcp kernel baseline needs loopback
-    lease: Lease = await open_lease(backend.create(spec))
+    # Baseline (c) is Apptainer's own way into an instance, as an exec-per-command server runs it;
+    # the default backend's processes join the instance's namespaces instead (ns_join).
+    exec_backend = ApptainerBackend(state / "exec", uncontained_root_ok=True, exec_via="apptainer")
+    lease: Lease = await open_lease(exec_backend.create(spec))
     try:
         # (a) our PTY session, (b) tmux, (c) exec per command, (d) floor
         floor = BareHostPty()
