@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -37,6 +38,22 @@ async def test_lifecycle_and_clean_stop(short_tmp: Path) -> None:
     assert backend.leftover_instances() == []
     assert not list((backend.config_dir / "instances" / "logs").rglob(f"{sb.instance_name}*"))
     assert not sb.lease_dir.exists()
+
+
+async def test_stop_waits_for_apptainers_instance_monitor(short_tmp: Path) -> None:
+    # The monitor above the init is in the sandbox's memory cgroup: still exiting when the cgroup
+    # is removed, it was killed there as a straggler, with a warning, about one stop in three.
+    backend = ApptainerBackend(short_tmp, uncontained_root_ok=True)
+    for _ in range(3):
+        sb = backend.create(SandboxSpec(ipython=False))
+        await sb.start()
+        assert sb.init_pid is not None
+        monitor = psutil.Process(sb.init_pid).parent()
+        assert monitor is not None and " ".join(monitor.cmdline()).startswith("Apptainer instance:")
+        await sb.stop()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert monitor.status() == psutil.STATUS_ZOMBIE  # exited; pid 1 reaps it
+        await sb.remove_cgroup()
 
 
 async def test_stop_leaves_no_process_behind(short_tmp: Path) -> None:

@@ -62,6 +62,8 @@ from .ns_mounts import SEAL_FAILED, WORKSPACE_FAILED
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 1.0
+MONITOR_EXIT_S = 2.0
+"""How long a stop waits for Apptainer's instance monitor to follow the init out."""
 NS_MOUNTS_SCRIPT = Path(__file__).with_name("ns_mounts.py")
 MOUNT_TIMEOUT_S = 30.0
 
@@ -80,6 +82,7 @@ class ApptainerSandbox(Sandbox):
         self.instance_name = f"rld-{sandbox_id}"
         self.init_pid: int | None = None
         self._init: ProcessHandle | None = None
+        self._monitor: ProcessHandle | None = None
         self._pidns: int | None = None
         self._proc: str | None = None
         """The instance's own /proc, seen from the host (see the module's note)."""
@@ -224,6 +227,17 @@ class ApptainerSandbox(Sandbox):
         with contextlib.suppress(ProcessLookupError):
             self._init = ProcessHandle(pid)
         self._pidns = pidns_of(pid)
+        self._monitor = self._instance_monitor(pid)
+
+    def _instance_monitor(self, init_pid: int) -> ProcessHandle | None:
+        """Apptainer's process above the init ("Apptainer instance: ..."), which exits after it."""
+        try:
+            parent = psutil.Process(init_pid).parent()
+            if parent is None or not " ".join(parent.cmdline()).startswith("Apptainer instance:"):
+                return None
+            return ProcessHandle(parent.pid)
+        except (psutil.Error, ProcessLookupError):
+            return None
 
     def _find_init_pid(self) -> int | None:
         """The instance's init, found by the name Apptainer gives its parent process."""
@@ -303,6 +317,12 @@ class ApptainerSandbox(Sandbox):
         if init is not None:
             init.close()
             self._init = None
+        # The monitor lives in the sandbox's memory cgroup: removing the cgroup while it is still
+        # exiting would find it there and kill it as a straggler (about one stop in three).
+        if self._monitor is not None:
+            await self._monitor.wait(MONITOR_EXIT_S)
+            self._monitor.close()
+            self._monitor = None
         self.stop_rung = rung
         self.backend.forget_instance(self.instance_name)
         await self.remove_folders()
