@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0: the CPU wheel this machine kind keeps on disk (a bare `torch` pulls CUDA builds).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,adapters-test]'
+	$(PY) -m pip install -q -e '.[test,adapters-test,bench]'
 	# The real trainer classes the adapter tests check against, without their GPU-only dependencies.
 	$(PY) -m pip install -q --no-deps -r tests/requirements-trainers.txt
 	touch $@
@@ -74,10 +74,15 @@ test: setup
 BENCHES := command_latency client_latency token_transfer inference_overhead agent_turn_cpu pipeline_overlap \
            inference_utilisation rollout_throughput federation openai_proxy_isolation in_flight burst_start
 
-# Every bench in quick mode; each writes its numbers to out/bench/<name>.json (a miss does not stop the rest).
+PLOTTED := rollout_throughput in_flight
+
+# Every bench in quick mode; each writes its numbers to out/bench/<name>.json (a miss does not stop the rest),
+# and those whose curves say more than a table, a PNG next to it.
 bench: setup
 	mkdir -p out/bench
-	for b in $(BENCHES); do $(PY) bench/$$b.py --quick --json out/bench/$$b.json || echo "bench $$b missed a target"; done
+	for b in $(BENCHES); do \
+	  plot=$$(case " $(PLOTTED) " in *" $$b "*) echo "--plot out/bench/$$b.png";; esac); \
+	  $(PY) bench/$$b.py --quick --json out/bench/$$b.json $$plot || echo "bench $$b missed a target"; done
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-harbor .cache build *.egg-info

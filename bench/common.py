@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,36 @@ def check_targets(targets: Sequence[tuple[str, bool]]) -> bool:
         print(f"  [{'PASS' if passed else 'FAIL'}] {name}")
         ok &= passed
     return ok
+
+
+@dataclass
+class Panel:
+    """One chart of a bench's PNG: y against x for each named series."""
+
+    xlabel: str
+    ylabel: str
+    series: dict[str, tuple[Sequence[float], Sequence[float]]]
+    log_x: bool = False
+
+
+def plot_panels(path: Path, title: str, panels: Sequence[Panel]) -> None:
+    """Write ``panels`` side by side to the PNG ``path`` (matplotlib: the ``bench`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit(f"writing {path} needs matplotlib: pip install -e '.[bench]' (make setup installs it)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        markers = iter("os^dv")
+        for name, (xs, ys) in panel.series.items():
+            ax.plot(xs, ys, f"{next(markers)}-", label=name)
+        ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel, xscale="log" if panel.log_x else "linear", ylim=(0, None))
+        if len(panel.series) > 1:
+            ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -42,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import check_targets, print_table, standard_args, write_json  # noqa: E402
+from common import Panel, check_targets, plot_panels, print_table, standard_args, write_json  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
@@ -337,25 +337,16 @@ def main() -> int:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, backend: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n = [r["n"] for r in rows]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.5))
-    a.plot(n, [r["daemon_cpu_ms_per_rollout"] for r in rows], "o-")
-    a.set(xlabel="rollouts in flight", ylabel="daemon CPU per rollout (ms)", xscale="log", ylim=(0, None))
-    b.plot(n, [r["rss_mb_per_rollout"] for r in rows], "o-", label="RSS (shared pages counted each time)")
-    b.plot(n, [r["pss_mb_per_rollout"] for r in rows], "s-", label="PSS (shared pages split)")
-    b.set(xlabel="rollouts in flight", ylabel="memory per rollout (MB)", xscale="log", ylim=(0, None))
-    b.legend(fontsize="small")
-    c.plot(n, [r["ramp_s"] for r in rows], "o-")
-    c.set(xlabel="rollouts in flight", ylabel="seconds until all are in flight", xscale="log", ylim=(0, None))
-    fig.suptitle(f"One node, {backend} sandboxes, 2 cores")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
+    plot_panels(path, f"One node, {backend} sandboxes, 2 cores", [
+        Panel("rollouts in flight", "daemon CPU per rollout (ms)", {"": (n, [r["daemon_cpu_ms_per_rollout"] for r in rows])},
+              log_x=True),
+        Panel("rollouts in flight", "memory per rollout (MB)",
+              {"RSS (shared pages counted each time)": (n, [r["rss_mb_per_rollout"] for r in rows]),
+               "PSS (shared pages split)": (n, [r["pss_mb_per_rollout"] for r in rows])}, log_x=True),
+        Panel("rollouts in flight", "seconds until all are in flight", {"": (n, [r["ramp_s"] for r in rows])},
+              log_x=True),
+    ])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,7 +34,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import check_targets, print_table, standard_args, write_json  # noqa: E402
+from common import Panel, check_targets, plot_panels, print_table, standard_args, write_json  # noqa: E402
 from agent_support import mask_runs  # noqa: E402
 from cpu_floor import measure_floor  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
@@ -77,6 +77,8 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
     cpu0, t0 = daemon_cpu_s(client), time.monotonic()
     pending = set(client.submit(requests[:in_flight]))
     submitted, turns, agent_cpu, rewards, model_tokens = in_flight, 0, [], [], 0
+    waits = {"tool_s": 0.0, "generate_s": 0.0}
+    rollout_s: list[float] = []
     observations: list[np.ndarray] = []
     prompt_ids: list[int] = []
     while pending:
@@ -91,6 +93,10 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 observations += [t.response_ids[a:b].copy() for a, b in mask_runs(t.response_mask == 0)]
                 prompt_ids = prompt_ids or t.prompt_ids.tolist()
                 agent_cpu.extend(t.metrics.get("agent_cpu_s_per_turn", []))
+                for key in waits:
+                    waits[key] += t.metrics[key]
+                events = t.metrics["stage_events"]
+                rollout_s.append(events[-1][2] - events[0][2])
             client.release(result)
             pending.discard(result.request_id)
             if submitted < total:
@@ -100,7 +106,9 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
     wall, cpu = time.monotonic() - t0, daemon_cpu_s(client) - cpu0
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
             "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),
-            "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids}
+            "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids,
+            "tool_ms_per_turn": 1e3 * waits["tool_s"] / turns, "generate_ms_per_turn": 1e3 * waits["generate_s"] / turns,
+            "rollout_s_p50": statistics.median(rollout_s)}
 
 
 def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
@@ -131,19 +139,27 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
 
 
 def main() -> int:
-    args = standard_args(__doc__.splitlines()[0]).parse_args()
+    parser = standard_args(__doc__.splitlines()[0])
+    parser.add_argument("--plot", type=Path, help="write a PNG of CPU per turn, latency per turn and rollouts/s vs in flight")
+    args = parser.parse_args()
     levels = {1: 3, 8: 8, 32: 32} if args.quick else {1: 6, 8: 24, 32: 64}
     plans = oracle_plans()
     results: dict[str, float] = {}
     rows = []
     floor: tuple[dict[str, float], float] | None = None
+    curves: list[dict[str, Any]] = []
     for suffix, level_plans, level_set in (("", plans, levels),
                                            ("_probes", with_probes(plans, PROBE_TURNS), {32: levels[32]})):
         level_results, measured_floor = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
         floor = floor or measured_floor
         for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
-                         r["turns"], r["daemon_cpu_ms_per_turn"], r["agent_cpu_ms_per_turn"], r["mean_reward"]])
+                         r["turns"], r["daemon_cpu_ms_per_turn"], r["agent_cpu_ms_per_turn"], r["tool_ms_per_turn"],
+                         r["generate_ms_per_turn"], r["rollout_s_p50"], r["mean_reward"]])
+            for key in ("tool_ms_per_turn", "generate_ms_per_turn", "rollout_s_p50"):
+                results[f"{key}_{in_flight}{suffix}"] = r[key]
+            if not suffix:
+                curves.append(r | {"in_flight": in_flight})
             results[f"rollouts_per_s_{in_flight}{suffix}"] = r["rollouts_per_s"]
             results[f"daemon_cpu_ms_per_turn_{in_flight}{suffix}"] = r["daemon_cpu_ms_per_turn"]
             results[f"agent_cpu_ms_per_turn_{in_flight}{suffix}"] = r["agent_cpu_ms_per_turn"]
@@ -151,7 +167,7 @@ def main() -> int:
     results["daemon_cpu_ms_per_turn"] = results["daemon_cpu_ms_per_turn_32"]
     print_table("Bundled tasks end to end (scripted reference policy, Apptainer sandboxes)",
                 ["in flight", "rollouts", "rollouts/s", "wall s", "agent turns", "daemon CPU ms/turn",
-                 "agent loop CPU ms/turn", "mean reward"], rows)
+                 "agent loop CPU ms/turn", "tool ms/turn", "model ms/turn", "rollout s p50", "mean reward"], rows)
     assert floor is not None
     parts, life_ms = floor
     results.update({f"floor_{k}_ms": v for k, v in parts.items()}, floor_sandbox_life_ms=life_ms,
@@ -161,6 +177,8 @@ def main() -> int:
                 ["part", "ms per turn"], [*parts.items(), ("floor", results["floor_ms_per_turn"]),
                                           ("measured", results["daemon_cpu_ms_per_turn_32"])])
     write_json(args.json, results)
+    if args.plot:
+        plot(curves, results["floor_ms_per_turn"], args.plot)
     measured, floor_ms = results["daemon_cpu_ms_per_turn"], results["floor_ms_per_turn"]
     ok = check_targets([
         (f"daemon CPU per turn at 32 in flight {measured:.2f} ms <= 1.5 x floor {floor_ms:.2f} ms",
@@ -168,6 +186,20 @@ def main() -> int:
         (f"daemon CPU per turn at 32 in flight {measured:.2f} ms <= 2.5 ms", measured <= 2.5),
     ])
     return 0 if ok else 1
+
+
+def plot(curves: list[dict[str, Any]], floor_ms: float, path: Path) -> None:
+    n = [c["in_flight"] for c in curves]
+    plot_panels(path, "Bundled tasks end to end, one node, Apptainer sandboxes, 2 cores", [
+        Panel("rollouts in flight", "daemon CPU per turn (ms)",
+              {"measured": (n, [c["daemon_cpu_ms_per_turn"] for c in curves]),
+               "floor (at 32, cpu_floor.py)": ([max(n)], [floor_ms])}, log_x=True),
+        Panel("rollouts in flight", "wall time per turn (ms)",
+              {"tool call": (n, [c["tool_ms_per_turn"] for c in curves]),
+               "model call": (n, [c["generate_ms_per_turn"] for c in curves])}, log_x=True),
+        Panel("rollouts in flight", "rollouts per second", {"": (n, [c["rollouts_per_s"] for c in curves])},
+              log_x=True),
+    ])
 
 
 if __name__ == "__main__":

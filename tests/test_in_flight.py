@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from PIL import Image
 
 from daemon_fixtures import start_nodes, stop_node
 
@@ -25,10 +26,10 @@ pytestmark = pytest.mark.timeout(4 * LIMIT_S)
 
 
 def test_200_rollouts_in_flight_at_once_and_none_lost(tmp_path: Path) -> None:
-    out = tmp_path / "in_flight.json"
+    out, png = tmp_path / "in_flight.json", tmp_path / "in_flight.png"
     run = subprocess.run([sys.executable, str(REPO / "bench" / "in_flight.py"), "--levels", str(IN_FLIGHT),
-                          "--limit-s", str(LIMIT_S), "--json", str(out)], capture_output=True, text=True,
-                         env=os.environ.copy(), timeout=4 * LIMIT_S)
+                          "--limit-s", str(LIMIT_S), "--json", str(out), "--plot", str(png)], capture_output=True,
+                         text=True, env=os.environ.copy(), timeout=4 * LIMIT_S)
     assert out.exists(), f"the bench wrote no results ({run.returncode}): {run.stdout[-2000:]}{run.stderr[-3000:]}"
     results = json.loads(out.read_text())
     (level,) = results["levels_detail"]
@@ -38,6 +39,8 @@ def test_200_rollouts_in_flight_at_once_and_none_lost(tmp_path: Path) -> None:
     assert results["lost"] == 0 and level["completed"] == IN_FLIGHT, level["lost_reasons"]
     assert results["rss_mb_per_rollout"] > 0, results
     assert run.returncode == 0, run.stdout[-2000:]
+    with Image.open(png) as image:  # a real PNG of the bench's three curves
+        assert image.format == "PNG" and image.size[0] > 2 * image.size[1], image.size
 
 
 def test_workers_may_open_as_many_descriptors_as_the_hard_limit_allows(short_tmp: Path) -> None:
