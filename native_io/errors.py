@@ -148,6 +148,14 @@ class SandboxLimit(SandboxLost):
     code = "SANDBOX_LIMIT"
 
 
+class SandboxPathRefused(SandboxError):
+    """A path the daemon was to write or read in a sandbox's workspace goes through a symbolic link
+    (or names something other than a file): the sandbox made it, and could point it anywhere on
+    the host, so the daemon does not follow it."""
+
+    code = "SANDBOX_PATH_REFUSED"
+
+
 class ImageError(SandboxError):
     code = "IMAGE"
 

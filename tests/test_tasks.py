@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
@@ -13,7 +14,8 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import bundled_dir, resolve_task
-from rolloutd.native_io.errors import TaskError
+from rolloutd.daemon.tasks.sandbox_files import read_file, write_file
+from rolloutd.native_io.errors import SandboxPathRefused, TaskError
 
 
 @pytest.fixture
@@ -214,3 +216,31 @@ async def test_two_records_with_one_id_never_share_a_cached_repository(lease: Le
     (repo / "m.py").write_text("X = 4\n")
     assert await seen(record(repo_dir=str(repo))) == "X = 4"
     assert len(list((cache / "swe").glob("same-id-*/repo"))) == 4
+
+
+async def test_links_a_sandbox_plants_are_not_followed_on_the_host(lease: Lease, short_tmp: Path) -> None:
+    # The evaluation writes its hidden tests into the agent's repository. Had the agent made
+    # tests/ a link to a host folder, the host would have written there with the daemon's rights.
+    victim = short_tmp / "victim"
+    victim.mkdir()
+    victim.chmod(0o777)  # writable by the sandbox user too: only the link check may keep it empty
+    task = resolve_task("bundled", "paginate-003", None)
+    swe = get_task_type("swe")
+    workdir = await swe.setup(task, lease, cache_dir=lease.sandbox.shared_dir / "task-cache")
+    r = await lease.run(f"rm -rf tests && ln -s {victim} tests && ls -l tests")
+    assert "->" in r.output, r.output
+    result = await swe.evaluate(task, lease, workdir, timeout_s=120)
+    assert list(victim.iterdir()) == []
+    assert result.reward == 0.0 and "symbolic link" in result.details["error"], result.details
+
+
+async def test_a_planted_fifo_is_refused_not_waited_on(lease: Lease) -> None:
+    ws = lease.sandbox.workspace_inside
+    assert (await lease.run(f"mkfifo {ws}/report.json && ln -s /etc/hostname {ws}/linked")).exit_code == 0
+    with pytest.raises(SandboxPathRefused, match="not a regular file"):
+        await asyncio.wait_for(read_file(lease, f"{ws}/report.json", max_bytes=100), 10)
+    with pytest.raises(SandboxPathRefused, match="symbolic link"):
+        await read_file(lease, f"{ws}/linked", max_bytes=100)
+    with pytest.raises(SandboxPathRefused, match="symbolic link"):
+        await write_file(lease, f"{ws}/linked", b"x")
+    assert await read_file(lease, f"{ws}/missing", max_bytes=100) is None
