@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CommandTimeout, SessionError
+from .host_files import create, open_folder
 from .output import OutputCollector, tail
 from .spawn import Child, spawn_pty
 
@@ -83,6 +84,8 @@ class CommandFile:
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
+        self._dir_fd: int | None = None
+        """The folder, held from the first write on: the sandbox can write in it (see host_files)."""
         self._fd: int | None = None
         self._size = 0
 
@@ -90,7 +93,7 @@ class CommandFile:
         # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
         # with discard, more than the whole command round trip.
         if self._fd is None:
-            self._fd = self._open(_COMMAND_FILE, truncate=True)
+            self._fd = self._create(_COMMAND_FILE)
             self._size = 0
         os.pwrite(self._fd, payload, 0)
         if len(payload) < self._size:  # a longer or equal payload covers the last one whole
@@ -103,22 +106,24 @@ class CommandFile:
         # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
         # no-op; a shell that already opened the old file is running it, and the ^C stops it.
         # A rename, not a truncation: a shell reading the file sees all of it or none.
-        fd = self._open(f"{_COMMAND_FILE}.next", truncate=True)
-        os.rename(self._folder / f"{_COMMAND_FILE}.next",
-                  self._folder / _COMMAND_FILE)
+        fd = self._create(f"{_COMMAND_FILE}.next")
+        os.rename(f"{_COMMAND_FILE}.next", _COMMAND_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
         self._size = 0
 
-    def _open(self, name: str, *, truncate: bool = False) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
-        return os.open(self._folder / name, flags, 0o600)
+    def _create(self, name: str) -> int:
+        if self._dir_fd is None:
+            self._dir_fd = open_folder(self._folder)
+        # Readable by the shell's user whoever writes it; the folder (0700) keeps everyone else out.
+        return create(self._dir_fd, name, mode=0o644)
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._dir_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._dir_fd = None
 
 
 class SentinelTokens:

@@ -185,9 +185,7 @@ async def test_a_fork_that_fails_ends_the_command_not_the_session() -> None:
     # line; the command must still end (with bash's error), not wait out its time-out.
     user = ensure_test_user()
     folder = Path(tempfile.mkdtemp(prefix="rld-nproc-"))  # pytest's tmp_path is closed to other users
-    (folder / "cmd.sh").touch()  # the shell's user must read the command file root writes
-    for path in (folder, folder / "cmd.sh"):
-        os.chown(path, user.pw_uid, user.pw_gid)
+    os.chown(folder, user.pw_uid, user.pw_gid)  # the shell's user reads the command files root writes
     argv = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--",
             *default_shell_argv()]
     shell = PtySession(PtyShellConfig(argv=argv, command_dir_host=folder, command_dir_shell=str(folder)))

@@ -45,6 +45,7 @@ from rolloutd.daemon.agents.codeact import user_prompt
 from rolloutd.daemon.agents.content_text import check_mode
 from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.native_io.errors import AgentError, ConfigError
+from rolloutd.native_io.host_files import read_tail
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
 
 from . import sandbox_forwarder
@@ -172,7 +173,9 @@ class BlackBoxAgent(Agent):
                 await asyncio.shield(_stop(proc))
                 sb.session_ids.discard(proc.pid)
             await asyncio.shield(server.close())
-        harness_tail = await asyncio.to_thread(_file_tail, folder / "harness.log", cfg.output_tail_bytes)
+        # The harness could have put a link at its log's name by now: read it without following one.
+        harness_tail = (await asyncio.to_thread(read_tail, folder, "harness.log", cfg.output_tail_bytes)
+                        ).decode(errors="replace")
         assert proc is not None
         rc = proc.returncode
         finish = session.stop_reason or ("timeout" if timed_out else "completed")
@@ -201,12 +204,6 @@ class BlackBoxAgent(Agent):
             for task in (exited, ended):
                 task.cancel()
             await asyncio.gather(exited, ended, return_exceptions=True)
-
-
-def _file_tail(path: Path, limit: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-        return f.read().decode(errors="replace")
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import time
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
+from rolloutd.native_io.host_files import create, open_folder, read_tail, write_new
 from rolloutd.native_io.output import LOG_TAIL_CHARS, OutputCollector, tail
 from rolloutd.native_io.spawn import Child, spawn
 from rolloutd.native_io.wire import ExecuteResult
@@ -33,6 +34,7 @@ from .jupyter_wire import KernelChannels, KernelMessage
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_LAUNCHER = Path(__file__).with_name("kernel_launcher.py")
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
 
 
@@ -113,13 +115,12 @@ class KernelSession:
         else:
             ports = dict(zip(_PORTS, _free_tcp_ports(len(_PORTS))))
             host_info = inside_info = self._connection("127.0.0.1", key, ports)
-        conn_file = sb.run_dir / "kernel.json"
-        conn_file.write_text(json.dumps(inside_info))
-        conn_file.chmod(0o600)
+        # The run folder is the sandbox's to write too: these files are made afresh (host_files).
+        write_new(sb.run_dir, "kernel.json", json.dumps(inside_info).encode())
         for port in _PORTS.values():  # stale sockets of a previous kernel
             with contextlib.suppress(FileNotFoundError):
                 (sb.run_dir / f"k-{port}").unlink()
-        shutil.copyfile(Path(__file__).with_name("kernel_launcher.py"), sb.run_dir / "kernel_launcher.py")
+        write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER.read_bytes(), 0o644)
         launch = (
             f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
             f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False "
@@ -127,7 +128,11 @@ class KernelSession:
         )
         env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
                "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
-        log_file = open(sb.run_dir / "kernel.log", "ab")
+        run_dir = open_folder(sb.run_dir)
+        try:
+            log_file = open(create(run_dir, "kernel.log", os.O_WRONLY), "wb")
+        finally:
+            os.close(run_dir)
         try:
             self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
                                      stdout=log_file, stderr=log_file, start_new_session=True)
@@ -172,10 +177,8 @@ class KernelSession:
         )
 
     def _log_tail(self) -> str:
-        try:
-            return tail((self.sandbox.run_dir / "kernel.log").read_text(errors="replace"), LOG_TAIL_CHARS)
-        except OSError:
-            return ""
+        return tail(read_tail(self.sandbox.run_dir, "kernel.log", 4 * LOG_TAIL_CHARS).decode(errors="replace"),
+                    LOG_TAIL_CHARS)
 
     async def execute(self, code: str, *, timeout_s: float = 60.0) -> ExecuteResult:
         async with self._lock:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rolloutd.native_io.errors import SandboxError, SandboxPathRefused
+from rolloutd.native_io.host_files import DIR_FLAGS, open_regular
 from rolloutd.native_io.output import tail
 
 if TYPE_CHECKING:
@@ -36,9 +37,6 @@ COPY_TIMEOUT_S = 300.0
 """A task's repository copied by the sandbox's shell."""
 WRITE_TIMEOUT_S = 60.0
 """One file written or read through the sandbox's shell (base64 through the PTY)."""
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def in_workspace(lease: "Lease", inside: str) -> str | None:
@@ -55,32 +53,27 @@ def _open_beneath(lease: "Lease", rel: str, flags: int, *, make_folders: bool) -
     parts = rel.split("/")
     if not rel or any(p in ("", ".", "..") for p in parts):
         raise SandboxPathRefused(f"{rel!r} is not a plain path under the workspace of sandbox {lease.id}")
-    where = f"{lease.sandbox.workspace_inside}/{rel}"
+    where = f"{lease.sandbox.workspace_inside}/{rel} in sandbox {lease.id}"
     try:
-        folder = os.open(lease.sandbox.workspace, _DIR_FLAGS)
+        folder = os.open(lease.sandbox.workspace, DIR_FLAGS)
         try:
             for part in parts[:-1]:
                 if make_folders:
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=folder)
-                inner = os.open(part, _DIR_FLAGS, dir_fd=folder)
+                inner = os.open(part, DIR_FLAGS, dir_fd=folder)
                 os.close(folder)
                 folder = inner
-            # O_NONBLOCK: opening a planted FIFO returns at once (and is refused below).
-            fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=folder)
+            return open_regular(parts[-1], flags, dir_fd=folder)
         finally:
             os.close(folder)
+    except SandboxPathRefused as e:
+        raise SandboxPathRefused(f"{where}: {e}") from None
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise SandboxPathRefused(f"{where} in sandbox {lease.id}: {e.strerror} on the way; a folder or the file "
-                                 "is a symbolic link or not what it should be, and the daemon does not follow "
-                                 "links the sandbox made") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SandboxPathRefused(f"{where} in sandbox {lease.id} is not a regular file")
-    os.set_blocking(fd, True)
-    return fd
+        raise SandboxPathRefused(f"{where}: {e.strerror} on the way; a folder is a symbolic link or not a folder, "
+                                 "and the daemon does not follow links the sandbox made") from None
 
 
 def _write_beneath(lease: "Lease", rel: str, data: bytes, mode: int | None = None) -> None:
