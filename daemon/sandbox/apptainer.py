@@ -227,17 +227,7 @@ class ApptainerSandbox(Sandbox):
         with contextlib.suppress(ProcessLookupError):
             self._init = ProcessHandle(pid)
         self._pidns = pidns_of(pid)
-        self._monitor = self._instance_monitor(pid)
-
-    def _instance_monitor(self, init_pid: int) -> ProcessHandle | None:
-        """Apptainer's process above the init ("Apptainer instance: ..."), which exits after it."""
-        try:
-            parent = psutil.Process(init_pid).parent()
-            if parent is None or not " ".join(parent.cmdline()).startswith("Apptainer instance:"):
-                return None
-            return ProcessHandle(parent.pid)
-        except (psutil.Error, ProcessLookupError):
-            return None
+        self._monitor = _instance_monitor(pid)
 
     def _find_init_pid(self) -> int | None:
         """The instance's init, found by the name Apptainer gives its parent process."""
@@ -383,6 +373,17 @@ class ApptainerBackend(SandboxBackend):
         """Instance state files still present (tests assert this is empty after shutdown)."""
         app = self.config_dir / "instances" / "app"
         return [p.name for p in app.glob("*/*/*") if p.is_dir()] if app.exists() else []
+
+
+def _instance_monitor(init_pid: int) -> ProcessHandle | None:
+    """Apptainer's process above an instance's init ("Apptainer instance: ..."), which exits after it."""
+    try:
+        parent = psutil.Process(init_pid).parent()
+        if parent is None or not " ".join(parent.cmdline()).startswith("Apptainer instance:"):
+            return None
+        return ProcessHandle(parent.pid)
+    except (psutil.Error, ProcessLookupError):
+        return None
 
 
 def _username() -> str:
