@@ -46,20 +46,25 @@ def create(folder: int, name: str, flags: int = os.O_RDWR, mode: int = 0o600) ->
     raise SandboxPathRefused(f"something keeps reappearing where the daemon writes {name!r}")
 
 
-def write_new(folder: Path, name: str, data: bytes, mode: int = 0o600) -> None:
-    """``folder/name`` replaced by a new file holding ``data``."""
+def create_in(folder: Path, name: str, flags: int = os.O_WRONLY, mode: int = 0o600) -> int:
+    """:func:`create` in the folder ``folder``."""
     dir_fd = open_folder(folder)
     try:
-        fd = create(dir_fd, name, os.O_WRONLY, mode)
+        return create(dir_fd, name, flags, mode)
     finally:
         os.close(dir_fd)
-    with open(fd, "wb") as f:
+
+
+def write_new(folder: Path, name: str, data: bytes, mode: int = 0o600) -> None:
+    """``folder/name`` replaced by a new file holding ``data``."""
+    with open(create_in(folder, name, mode=mode), "wb") as f:
         f.write(data)
 
 
-def open_regular(name: str, flags: int, *, dir_fd: int | None = None, mode: int = 0o644) -> int:
-    """``name`` opened with ``flags`` when it is a regular file reached without a final link;
-    FileNotFoundError when missing, SandboxPathRefused for anything else (a link, a FIFO, a folder)."""
+def open_regular(name: str, flags: int, *, dir_fd: int, mode: int = 0o644) -> int:
+    """``name`` in the folder ``dir_fd``, opened with ``flags`` when it is a regular file reached
+    without a final link; FileNotFoundError when missing, SandboxPathRefused for anything else (a
+    link, a FIFO, a folder)."""
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except FileNotFoundError:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,3 +24,16 @@ def ensure_test_user() -> pwd.struct_passwd:
     except KeyError:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", TEST_USER], check=True)
         return pwd.getpwnam(TEST_USER)
+
+
+def run_json_script(script: Path, *args: str, as_user: bool, timeout_s: float = 240) -> Any:
+    """Run a test script of this folder with this Python, as root or as ``TEST_USER`` (who gets
+    the image cache and this folder on PYTHONPATH), and return the JSON of its last output line."""
+    argv = [sys.executable, str(script), *args]
+    if as_user:
+        user = ensure_test_user()
+        argv = ["runuser", "-u", TEST_USER, "--", "env", f"ROLLOUTD_CACHE_DIR={os.environ['ROLLOUTD_CACHE_DIR']}",
+                f"HOME={user.pw_dir}", f"PYTHONPATH={script.parent}", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd="/tmp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

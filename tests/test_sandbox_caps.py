@@ -3,7 +3,6 @@ over one is ended with SANDBOX_LIMIT naming it, and the others are untouched."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -17,7 +16,7 @@ import pytest
 
 from caps_smoke import MEMORY_MB, WORKSPACE_MB
 from daemon_fixtures import node_daemon
-from os_users import TEST_USER, ensure_test_user
+from os_users import run_json_script
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.cli.run_lock import running_pid
@@ -34,14 +33,7 @@ EXIT_WAIT_S = 30
 
 
 def _smoke(backend: str, as_user: bool) -> dict[str, object]:
-    argv = [sys.executable, str(SCRIPT), backend]
-    if as_user:
-        user = ensure_test_user()
-        argv = ["runuser", "-u", TEST_USER, "--", "env", f"ROLLOUTD_CACHE_DIR={os.environ['ROLLOUTD_CACHE_DIR']}",
-                f"HOME={user.pw_dir}", f"PYTHONPATH={SCRIPT.parent}", *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd="/tmp")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_script(SCRIPT, backend, as_user=as_user)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("backend", [pytest.param("apptainer", marks=pytest.mark.apptainer), "local"])

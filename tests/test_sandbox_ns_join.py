@@ -4,15 +4,12 @@ sandbox plants cannot take a new process's working folder outside it."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from os_users import TEST_USER, ensure_test_user
+from os_users import run_json_script
 from rolloutd.daemon.sandbox.ns_join import namespace_join
 
 pytestmark = pytest.mark.apptainer
@@ -20,14 +17,7 @@ SCRIPT = Path(__file__).with_name("ns_join_probe.py")
 
 
 def _probe(as_user: bool) -> dict[str, dict[str, object]]:
-    argv = [sys.executable, str(SCRIPT)]
-    if as_user:
-        user = ensure_test_user()
-        argv = ["runuser", "-u", TEST_USER, "--", "env", f"ROLLOUTD_CACHE_DIR={os.environ['ROLLOUTD_CACHE_DIR']}",
-                f"HOME={user.pw_dir}", f"PYTHONPATH={SCRIPT.parent}", *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd="/tmp")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_script(SCRIPT, as_user=as_user)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("who", ["root", "ordinary user"])

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import secrets
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
-from rolloutd.native_io.host_files import create, open_folder, read_tail, write_new
+from rolloutd.native_io.host_files import create_in, read_tail, write_new
 from rolloutd.native_io.output import LOG_TAIL_CHARS, OutputCollector, tail
 from rolloutd.native_io.spawn import Child, spawn
 from rolloutd.native_io.wire import ExecuteResult
@@ -128,11 +127,7 @@ class KernelSession:
         )
         env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
                "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
-        run_dir = open_folder(sb.run_dir)
-        try:
-            log_file = open(create(run_dir, "kernel.log", os.O_WRONLY), "wb")
-        finally:
-            os.close(run_dir)
+        log_file = open(create_in(sb.run_dir, "kernel.log"), "wb")
         try:
             self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
                                      stdout=log_file, stderr=log_file, start_new_session=True)
