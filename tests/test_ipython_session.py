@@ -4,6 +4,7 @@ restart, ipc only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,7 @@ from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sessions.jupyter_wire import KernelChannels, KernelMessage
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 
 KERNEL_SPAWN_S = 30.0
@@ -133,3 +135,49 @@ async def test_kernel_starts_without_debugger_and_jedi_but_cells_can_import_them
     assert loaded.result == "[]", "the kernel loaded debugpy or jedi at start-up"
     imported = await lease.ipython("import debugpy, jedi\n(debugpy.__name__, jedi.__name__)")
     assert (imported.status, imported.result) == ("ok", "('debugpy', 'jedi')"), imported.error
+
+
+
+async def test_cells_sent_at_once_are_answered_in_order_each_with_its_output(lease: Lease) -> None:
+    """The launcher sends a reply as soon as it is made and queues requests without waking its
+    own loop: cells sent at once still get their replies in order, and each cell's output comes
+    before its idle status (then no output is taken for the next cell's)."""
+    kernel = await lease.start_kernel()
+    ch = KernelChannels(kernel.connection)
+    try:
+        async def idle_of(msg_id: str, published: list[KernelMessage]) -> None:
+            while not (published and published[-1].msg_type == "status" and published[-1].parent_id == msg_id):
+                published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))
+
+        # A SUB socket joins late: a kernel_info's idle shows this one is joined.
+        async def joined() -> None:
+            while True:
+                probe = ch.send(ch.shell, "kernel_info_request", {})
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(idle_of(probe, []), 0.5)
+        await asyncio.wait_for(joined(), KERNEL_SPAWN_S)
+        ch.drain(ch.shell_replies)
+        ch.drain(ch.iopub_messages)
+        sent = [ch.send(ch.shell, "execute_request", {"code": f"print('cell-{i}')", "silent": False,
+                                                      "store_history": True, "user_expressions": {},
+                                                      "allow_stdin": False, "stop_on_error": False})
+                for i in range(8)]
+        replies: list[KernelMessage] = []
+        while len(replies) < len(sent):  # the probes' replies may come after their idle status
+            reply = await ch.next(ch.shell_replies, KERNEL_SPAWN_S)
+            replies += [reply] if reply.msg_type == "execute_reply" else []
+        published: list[KernelMessage] = []
+        await idle_of(sent[-1], published)
+    finally:
+        ch.close()
+    assert [r.parent_id for r in replies] == sent
+    counts = [r.content["execution_count"] for r in replies]
+    assert all(r.content["status"] == "ok" for r in replies) and counts == sorted(set(counts))
+    done: set[str | None] = set()
+    for msg in published:
+        if msg.msg_type == "stream":
+            assert msg.parent_id not in done, f"output of {msg.parent_id} after its idle status"
+            assert msg.content["text"] == f"cell-{sent.index(msg.parent_id or '')}\n"
+        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
+            done.add(msg.parent_id)
+    assert done >= set(sent)

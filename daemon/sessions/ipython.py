@@ -160,7 +160,8 @@ class KernelSession:
                 if not shell_ready:
                     shell_ready = (await ch.next(ch.shell_replies, 0.25)).parent_id in sent
                     continue
-                # The kernel publishes busy/idle for each request; seeing one proves iopub is joined.
+                # The kernel publishes an idle status after each request (the launcher drops busy);
+                # seeing one proves iopub is joined.
                 if (await ch.next(ch.iopub_messages, 0.25)).parent_id in sent:
                     return
             except TimeoutError:

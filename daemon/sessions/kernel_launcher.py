@@ -25,9 +25,28 @@ request's header is parsed with ``datetime.fromisoformat`` rather than dateutil;
 ``do_execute`` and ``run_cell`` take a cell id is read from their signatures once, not on every
 cell; the cell's code is not echoed back on iopub (``execute_input``), which only a shared
 notebook front-end reads; and the kernel's logger drops debug lines before formatting them.
+
+Four wake-ups per cell that carry nothing are cut too (together with the busy status below they
+took the kernel's CPU per cell from 2.10 to 1.51 ms and a cell from 2.15 to 1.75 ms p50, against
+the stock launcher in the same run, two kernels in turn):
+
+- ipykernel 6 sends every shell request's "flush the control queue" to the control thread and
+  back, and then does not wait for the answer (``_flush_control_queue`` is a coroutine whose
+  future is returned, not awaited): two thread hand-offs for no ordering at all. The control
+  thread still serves its socket on its own loop; the daemon waits for an interrupt's answer
+  before it sends the next cell anyway.
+- a shell request is queued with a wake-up of the kernel's own loop through its self-pipe, from
+  that loop's own thread, where the queue's put already wakes the waiting reader;
+- the reply is queued on the shell stream and sent on a later loop round (another self-pipe
+  wake-up), or by the flush at the end of the request: it is sent at once when nothing is queued
+  ahead of it.
+- the busy status that opens every request: the daemon reads only idle (the kernel's sockets
+  are the daemon's alone, as for ``execute_input``). It costs a message through the IO thread,
+  and one more for the daemon to read and check.
 """
 
 import functools
+import inspect
 import sys
 from datetime import datetime
 
@@ -37,6 +56,7 @@ for _name in _HIDDEN:
 
 import ipykernel.kernelapp as kernelapp  # noqa: E402
 from ipykernel import iostream, ipkernel, kernelbase  # noqa: E402
+import zmq  # noqa: E402
 from jupyter_client import jsonutil  # noqa: E402
 
 _stock_flush = iostream.OutStream.flush
@@ -103,6 +123,57 @@ def _no_execute_input(self, *args, **kwargs):  # type: ignore[no-untyped-def]
 
 kernelbase.Kernel._publish_execute_input = _no_execute_input
 
+if inspect.iscoroutinefunction(getattr(kernelbase.Kernel, "_flush_control_queue", None)):
+    # Only where the flush is a coroutine: there ``await`` returns its future unawaited.
+    async def _no_control_round_trip(self):  # type: ignore[no-untyped-def]
+        return None
+
+    kernelbase.Kernel._flush_control_queue = _no_control_round_trip
+
+
+if hasattr(kernelbase.Kernel, "schedule_dispatch") and hasattr(kernelbase.Kernel, "_message_counter"):
+    def _schedule_dispatch(self, dispatch, *args):  # type: ignore[no-untyped-def]
+        # Called on the loop's own thread (the shell stream's callback): no wake-up needed.
+        self.msg_queue.put_nowait((next(self._message_counter), dispatch, args))
+
+    kernelbase.Kernel.schedule_dispatch = _schedule_dispatch
+
+_stock_publish_status = kernelbase.Kernel._publish_status
+
+
+def _no_busy_status(self, status, channel, parent=None):  # type: ignore[no-untyped-def]
+    if status != "busy":
+        _stock_publish_status(self, status, channel, parent)
+
+
+kernelbase.Kernel._publish_status = _no_busy_status
+
+
+def _send_replies_at_once(kernel):  # type: ignore[no-untyped-def]
+    """The shell stream sends a reply now when nothing is queued ahead of it (order kept). Only
+    where the loop's thread owns that stream (ipykernel 7 may serve it from a thread of its own)."""
+    stream = getattr(kernel, "shell_stream", None)
+    if getattr(kernel, "shell_channel_thread", None) is not None or not hasattr(stream, "sending"):
+        return
+    queued = stream.send_multipart
+
+    def send_multipart(msg, flags=0, copy=True, track=False, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs or track or stream.sending():
+            return queued(msg, flags, copy, track, **kwargs)
+        try:
+            stream.socket.send_multipart(msg, flags | zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            queued(msg, flags, copy, track)
+            return
+        # ZeroMQ's fd is edge-triggered and any operation on the socket may take its edge: a
+        # request that came meanwhile would then wake nobody. The stream checks after its own
+        # sends; after this one, requests already here are taken in now.
+        if stream.socket.events & zmq.POLLIN:
+            stream.flush(zmq.POLLIN)
+
+    stream.send_multipart = send_multipart
+
+
 if __name__ == "__main__":
     app = kernelapp.IPKernelApp.instance()
     app.initialize(sys.argv[1:])  # ipykernel 7 imports its debugger here, not with kernelapp
@@ -112,4 +183,5 @@ if __name__ == "__main__":
     for _name in _HIDDEN:
         if sys.modules.get(_name, 0) is None:
             del sys.modules[_name]
+    _send_replies_at_once(app.kernel)
     app.start()
