@@ -149,6 +149,22 @@ async def test_n_samples_share_the_set_up(short_tmp: Path) -> None:
         assert len(list((short_tmp / "cache" / "swe").iterdir())) == 1
 
 
+async def test_a_link_the_agent_plants_for_the_evaluation_scores_0_and_is_not_refilled(short_tmp: Path) -> None:
+    """The evaluation writes its tests into the agent's repository without following links (the
+    host would write where the link points): a refused path is the agent's doing, so the sample
+    is the model's with a reward of 0, not a sandbox failure to run again."""
+    victim = short_tmp / "victim"
+    victim.mkdir()
+    async with pipeline(short_tmp, PipelineLimits()) as pipe:
+        args = RolloutArgs(task=TaskRef("paginate-003"), agent="script", ipython=False,
+                           agent_config={"commands": [f"rm -rf tests && ln -s {victim} tests"]})
+        (traj,) = await pipe.run_request("r", args)
+    assert list(victim.iterdir()) == []
+    assert (traj.finish_reason, traj.ended_by, traj.reward, traj.error_code) == ("completed", "model", 0.0, None)
+    assert "symbolic link" in traj.metrics["eval"]["error"], traj.metrics["eval"]
+    assert pipe.counters["refilled"] == 0 and pipe.counters["samples"] == 1
+
+
 async def test_oracle_plan_end_to_end_with_token_fidelity(short_tmp: Path) -> None:
     plans = oracle_plans()
     plans["paginate-003-unsolved"] = ['Giving up.\n<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>']

@@ -229,9 +229,9 @@ async def test_links_a_sandbox_plants_are_not_followed_on_the_host(lease: Lease,
     workdir = await swe.setup(task, lease, cache_dir=lease.sandbox.shared_dir / "task-cache")
     r = await lease.run(f"rm -rf tests && ln -s {victim} tests && ls -l tests")
     assert "->" in r.output, r.output
-    result = await swe.evaluate(task, lease, workdir, timeout_s=120)
+    with pytest.raises(SandboxPathRefused, match="symbolic link"):  # the pipeline scores it 0 (test_pipeline)
+        await swe.evaluate(task, lease, workdir, timeout_s=120)
     assert list(victim.iterdir()) == []
-    assert result.reward == 0.0 and "symbolic link" in result.details["error"], result.details
 
 
 async def test_a_planted_fifo_is_refused_not_waited_on(lease: Lease) -> None:

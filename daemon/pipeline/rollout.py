@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rolloutd.native_io.errors import BadRequest, Busy, OperationTimeout, RolloutdError
+from rolloutd.native_io.errors import BadRequest, Busy, OperationTimeout, RolloutdError, SandboxPathRefused
 from rolloutd.native_io.trajectory import INFRA_KINDS, Trajectory
 from rolloutd.native_io.wire import RolloutArgs
 
@@ -167,8 +167,13 @@ class RolloutPipeline:
                 if outcome.finish_reason in ("timeout", "cancelled"):
                     raise _AgentStopped(outcome.finish_reason)
             async with self._stage(clock, "eval", args.priority, args.eval_timeout_s):
-                evaluation = await task_type.evaluate(task, lease, workdir,
-                                                      timeout_s=clock.remaining_s(args.eval_timeout_s))
+                try:
+                    evaluation = await task_type.evaluate(task, lease, workdir,
+                                                          timeout_s=clock.remaining_s(args.eval_timeout_s))
+                except SandboxPathRefused as e:
+                    # The agent put a link (or a FIFO) where the evaluation's files go: its own
+                    # doing, so a score of 0, not a sandbox failure to refill (the sandbox is sound).
+                    evaluation = EvalResult(0.0, {"error": f"the evaluation's files could not be placed or read: {e}"})
         except _AgentStopped as e:
             finish = e.reason
             self.counters["timeouts" if e.reason == "timeout" else "cancelled"] += 1

@@ -31,7 +31,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutd.native_io.errors import SandboxPathRefused, TaskError
+from rolloutd.native_io.errors import TaskError
 from rolloutd.native_io.output import tail
 
 from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
@@ -149,10 +149,7 @@ class SweTaskType(TaskType):
         # and the published server's clients read it as ``git_patch``).
         diff = await lease.run(f"cd {shlex.quote(workdir)} && git add -A && git diff --cached --no-color HEAD -- . "
                                "':(exclude)*.pyc'", timeout_s=GIT_DIFF_TIMEOUT_S)
-        try:
-            result = await self._grade(task, lease, workdir, timeout_s=timeout_s)
-        except SandboxPathRefused as e:  # the agent put a link where the evaluation's files go
-            result = EvalResult(0.0, {"error": f"the evaluation's files could not be placed or read: {e}"})
+        result = await self._grade(task, lease, workdir, timeout_s=timeout_s)
         result.details["git_patch"] = diff.output if diff.exit_code == 0 and not diff.truncated else None
         return result
 
