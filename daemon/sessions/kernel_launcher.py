@@ -43,11 +43,19 @@ the stock launcher in the same run, two kernels in turn):
 - the busy status that opens every request: the daemon reads only idle (the kernel's sockets
   are the daemon's alone, as for ``execute_input``). It costs a message through the IO thread,
   and one more for the daemon to read and check.
+
+And the idle status (any iopub message sent while nothing waits for the IO thread) goes out from
+the thread that made it, not through the IO thread: -0.17 ms a cell p50 and -0.19 ms of the
+kernel's CPU (1.84 -> 1.67 ms and 1.60 -> 1.42 ms, two runs against the launcher without it). The
+IO thread holds a lock while it runs its queue, and a direct send takes that lock and finds the
+queue empty, so the socket is used by one thread at a time and nothing overtakes what was queued
+before it (stream output flushed at the end of a cell is queued, and its idle status then too).
 """
 
 import functools
 import inspect
 import sys
+import threading
 from datetime import datetime
 
 _HIDDEN = ("debugpy", "jedi")
@@ -74,6 +82,25 @@ iostream.OutStream.flush = _flush_when_pending  # type: ignore[method-assign]
 class _IOPubWithoutPipe(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
     def __init__(self, socket, pipe=False, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(socket, pipe=False, **kwargs)
+        self._socket_lock = threading.Lock()
+        """Held by whichever thread uses the socket: the IO thread while it runs its events, or
+        another thread sending at once (a ZeroMQ socket may change threads behind a lock)."""
+
+    def _handle_event(self, msg):  # type: ignore[no-untyped-def]
+        with self._socket_lock:
+            super()._handle_event(msg)
+
+    def send_multipart(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # Sent now, on the caller's thread, when nothing is queued for the IO thread: with the
+        # lock held and the queue empty, everything scheduled before has gone out, so the order
+        # holds. The IO thread itself, a forked child (whose IO thread is gone) and a busy queue
+        # take the stock path.
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
+            with self._socket_lock:
+                if not self._events:
+                    self._really_send(*args, **kwargs)
+                    return
+        super().send_multipart(*args, **kwargs)
 
 
 kernelapp.IOPubThread = _IOPubWithoutPipe  # type: ignore[attr-defined]
