@@ -26,20 +26,20 @@ request's header is parsed with ``datetime.fromisoformat`` rather than dateutil;
 cell; the cell's code is not echoed back on iopub (``execute_input``), which only a shared
 notebook front-end reads; and the kernel's logger drops debug lines before formatting them.
 
-Four wake-ups per cell that carry nothing are cut too (together with the busy status below they
-took the kernel's CPU per cell from 2.10 to 1.51 ms and a cell from 2.15 to 1.75 ms p50, against
-the stock launcher in the same run, two kernels in turn):
+Four more costs per cell that carry nothing are cut (together they took the kernel's CPU per
+cell from 2.10 to 1.51 ms and a cell from 2.15 to 1.75 ms p50, against the launcher without them
+in the same run, two kernels in turn):
 
 - ipykernel 6 sends every shell request's "flush the control queue" to the control thread and
   back, and then does not wait for the answer (``_flush_control_queue`` is a coroutine whose
   future is returned, not awaited): two thread hand-offs for no ordering at all. The control
   thread still serves its socket on its own loop; the daemon waits for an interrupt's answer
-  before it sends the next cell anyway.
+  before it sends the next cell anyway;
 - a shell request is queued with a wake-up of the kernel's own loop through its self-pipe, from
   that loop's own thread, where the queue's put already wakes the waiting reader;
 - the reply is queued on the shell stream and sent on a later loop round (another self-pipe
   wake-up), or by the flush at the end of the request: it is sent at once when nothing is queued
-  ahead of it.
+  ahead of it;
 - the busy status that opens every request: the daemon reads only idle (the kernel's sockets
   are the daemon's alone, as for ``execute_input``). It costs a message through the IO thread,
   and one more for the daemon to read and check.
