@@ -27,7 +27,7 @@ cell; the cell's code is not echoed back on iopub (``execute_input``), which onl
 notebook front-end reads; and the kernel's logger drops debug lines before formatting them.
 
 Four more costs per cell that carry nothing are cut (together they took the kernel's CPU per
-cell from 2.10 to 1.51 ms and a cell from 2.15 to 1.75 ms p50, against the launcher without them
+cell from 2.17 to 1.51 ms and a cell from 2.21 to 1.75 ms p50, against the launcher without them
 in the same run, two kernels in turn):
 
 - ipykernel 6 sends every shell request's "flush the control queue" to the control thread and
@@ -46,10 +46,11 @@ in the same run, two kernels in turn):
 
 And the idle status (any iopub message sent while nothing waits for the IO thread) goes out from
 the thread that made it, not through the IO thread: -0.17 ms a cell p50 and -0.19 ms of the
-kernel's CPU (1.84 -> 1.67 ms and 1.60 -> 1.42 ms, two runs against the launcher without it). The
-IO thread holds a lock while it runs its queue, and a direct send takes that lock and finds the
-queue empty, so the socket is used by one thread at a time and nothing overtakes what was queued
-before it (stream output flushed at the end of a cell is queued, and its idle status then too).
+kernel's CPU (p50 1.84 -> 1.67 ms, CPU 1.60 -> 1.42 ms: means of two runs against the launcher
+without it). The IO thread holds a lock while it runs its queue, and a direct send takes that
+lock and finds the queue empty, so the socket is used by one thread at a time and nothing
+overtakes what was queued before it (stream output flushed at the end of a cell is queued, and
+its idle status then too).
 """
 
 import functools
