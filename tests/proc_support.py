@@ -7,8 +7,11 @@ its pid and its start time (field 22 of /proc/<pid>/stat).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
+
+import psutil
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -37,3 +40,15 @@ def still_running(seen: dict[int, bytes]) -> list[int]:
         if fields is not None and fields[19] == started and fields[0] != b"Z":
             alive.append(pid)
     return alive
+
+
+def named(pids: Iterable[int], word: str) -> list[psutil.Process]:
+    """The processes of ``pids`` with ``word`` in their command line; one that exits while they
+    are read (a sandbox's short-lived commands do) is left out, not an error."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            if word in process.cmdline():
+                found.append(process)
+    return found

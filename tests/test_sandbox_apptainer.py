@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from proc_support import identities, still_running
+from proc_support import identities, named, still_running
 from support.waits import async_wait_until
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
@@ -169,9 +169,8 @@ async def test_memory_taken_outside_a_leavable_cgroup_still_counts(short_tmp: Pa
         # It takes its memory once the FIFO is written to, then holds it until the sandbox stops.
         await lease.run("mkfifo /workspace/go && nohup python3 -c \"open('/workspace/go').read()"
                         f"\nx = b'x' * ({HOLD_MB} << 20)\nimport signal\nsignal.pause()\" rld-hold > /dev/null 2>&1 &")
-        held = await async_wait_until(
-            lambda: [p for p in map(psutil.Process, sb.process_ids()) if "rld-hold" in p.cmdline()],
-            ESCAPE_WAIT_S, "the holding process's start")
+        held = await async_wait_until(lambda: named(sb.process_ids(), "rld-hold"), ESCAPE_WAIT_S,
+                                      "the holding process's start")
         # What the sandbox could do itself with a writable cgroup filesystem, done from the host.
         (sb.cgroup.path.parent / "cgroup.procs").write_text(str(held[0].pid))
         await lease.run("echo go > /workspace/go")
