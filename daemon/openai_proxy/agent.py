@@ -38,7 +38,6 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rolloutd.daemon.agents.base import TEMPLATE_CHECKS, Agent, AgentContext, AgentOutcome, register_agent
 from rolloutd.daemon.agents.codeact import user_prompt

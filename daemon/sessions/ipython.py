@@ -33,7 +33,8 @@ from .jupyter_wire import KernelChannels, KernelMessage
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_LAUNCHER = Path(__file__).with_name("kernel_launcher.py")
+_LAUNCHER_SOURCE = Path(__file__).with_name("kernel_launcher.py").read_bytes()
+"""Copied into each sandbox's run folder at a kernel's start (read once, not per start)."""
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
 
 
@@ -119,7 +120,7 @@ class KernelSession:
         for port in _PORTS.values():  # stale sockets of a previous kernel
             with contextlib.suppress(FileNotFoundError):
                 (sb.run_dir / f"k-{port}").unlink()
-        write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER.read_bytes(), 0o644)
+        write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER_SOURCE, 0o644)
         launch = (
             f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
             f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False "

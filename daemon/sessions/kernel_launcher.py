@@ -80,7 +80,10 @@ def _flush_when_pending(self):  # type: ignore[no-untyped-def]
 iostream.OutStream.flush = _flush_when_pending  # type: ignore[method-assign]
 
 
-class _IOPubWithoutPipe(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
+class _IOPubThread(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
+    """Without the TCP pipe for forked children's output (see the module's note), and sending at
+    once when nothing waits in its queue."""
+
     def __init__(self, socket, pipe=False, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(socket, pipe=False, **kwargs)
         self._socket_lock = threading.Lock()
@@ -104,7 +107,7 @@ class _IOPubWithoutPipe(kernelapp.IOPubThread):  # type: ignore[name-defined,mis
         super().send_multipart(*args, **kwargs)
 
 
-kernelapp.IOPubThread = _IOPubWithoutPipe  # type: ignore[attr-defined]
+kernelapp.IOPubThread = _IOPubThread  # type: ignore[attr-defined]
 
 _stock_dateutil_parse = jsonutil._dateutil_parse
 
