@@ -137,38 +137,49 @@ async def test_kernel_starts_without_debugger_and_jedi_but_cells_can_import_them
     assert (imported.status, imported.result) == ("ok", "('debugpy', 'jedi')"), imported.error
 
 
-async def test_cells_sent_at_once_are_answered_in_order_each_with_its_output(lease: Lease) -> None:
-    """The launcher sends a reply as soon as it is made and queues requests without waking its
-    own loop: cells sent at once still get their replies in order, and each cell's output comes
-    before its idle status (then no output is taken for the next cell's)."""
+@contextlib.asynccontextmanager
+async def kernel_channels(lease: Lease) -> AsyncIterator[KernelChannels]:
+    """The lease's kernel's own channels, once its iopub delivers (a SUB socket joins late: a
+    kernel_info's idle shows this one has), with nothing left unread."""
     kernel = await lease.start_kernel()
     ch = KernelChannels(kernel.connection)
     try:
-        async def idle_of(msg_id: str, published: list[KernelMessage]) -> None:
-            while not (published and published[-1].msg_type == "status" and published[-1].parent_id == msg_id):
-                published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))
-
-        # A SUB socket joins late: a kernel_info's idle shows this one is joined.
         async def joined() -> None:
             while True:
                 probe = ch.send(ch.shell, "kernel_info_request", {})
                 with contextlib.suppress(TimeoutError):
-                    return await asyncio.wait_for(idle_of(probe, []), 0.5)
+                    return await asyncio.wait_for(idle_of(ch, probe, []), 0.5)
         await asyncio.wait_for(joined(), KERNEL_SPAWN_S)
         ch.drain(ch.shell_replies)
         ch.drain(ch.iopub_messages)
-        sent = [ch.send(ch.shell, "execute_request", {"code": f"print('cell-{i}')", "silent": False,
-                                                      "store_history": True, "user_expressions": {},
-                                                      "allow_stdin": False, "stop_on_error": False})
-                for i in range(8)]
+        yield ch
+    finally:
+        ch.close()
+
+
+async def idle_of(ch: KernelChannels, msg_id: str, published: list[KernelMessage]) -> None:
+    """Read iopub into ``published`` up to ``msg_id``'s idle status."""
+    while not (published and published[-1].msg_type == "status" and published[-1].parent_id == msg_id):
+        published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))
+
+
+def execute(ch: KernelChannels, code: str) -> str:
+    return ch.send(ch.shell, "execute_request", {"code": code, "silent": False, "store_history": True,
+                                                 "user_expressions": {}, "allow_stdin": False, "stop_on_error": False})
+
+
+async def test_cells_sent_at_once_are_answered_in_order_each_with_its_output(lease: Lease) -> None:
+    """The launcher sends a reply as soon as it is made and queues requests without waking its
+    own loop: cells sent at once still get their replies in order, and each cell's output comes
+    before its idle status (then no output is taken for the next cell's)."""
+    async with kernel_channels(lease) as ch:
+        sent = [execute(ch, f"print('cell-{i}')") for i in range(8)]
         replies: list[KernelMessage] = []
         while len(replies) < len(sent):  # the probes' replies may come after their idle status
             reply = await ch.next(ch.shell_replies, KERNEL_SPAWN_S)
             replies += [reply] if reply.msg_type == "execute_reply" else []
         published: list[KernelMessage] = []
-        await idle_of(sent[-1], published)
-    finally:
-        ch.close()
+        await idle_of(ch, sent[-1], published)
     assert [r.parent_id for r in replies] == sent
     counts = [r.content["execution_count"] for r in replies]
     assert all(r.content["status"] == "ok" for r in replies) and counts == sorted(set(counts))
@@ -182,3 +193,28 @@ async def test_cells_sent_at_once_are_answered_in_order_each_with_its_output(lea
             done.add(msg.parent_id)
     assert done >= set(sent)
     assert [output.get(msg_id) for msg_id in sent] == [f"cell-{i}\n" for i in range(len(sent))]
+
+
+async def test_output_of_a_running_cell_streams_out_before_the_cell_ends(lease: Lease) -> None:
+    """The launcher sets up the kernel's timed flush (every 0.2 s while output waits) without its
+    IO thread's queue: output written without a flush still leaves while the cell runs on."""
+    async with kernel_channels(lease) as ch:
+        msg_id = execute(ch, "import time\nprint('early')\ntime.sleep(3)\nprint('late')")
+        published: list[KernelMessage] = []
+        while not any(m.msg_type == "stream" for m in published):
+            published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))
+        first = published[-1]
+        await idle_of(ch, msg_id, published)
+    assert (first.parent_id, first.content["text"]) == (msg_id, "early\n")
+    assert "".join(m.content["text"] for m in published if m.msg_type == "stream") == "early\nlate\n"
+
+
+async def test_output_across_timed_flushes_arrives_whole_and_in_order(lease: Lease) -> None:
+    """Output flushed by the cell's own thread (at once) and by the IO thread's timed flushes,
+    made here to come every 0.2 ms instead of 0.2 s so the two meet often: no piece is lost or
+    overtaken."""
+    code = ("import sys\nsys.setswitchinterval(1e-6)\nsys.stdout.flush_interval = 0.0002\nfor i in range(4000):\n"
+            "    print(i, flush=i % 3 == 0)\nsys.stdout.flush_interval = 0.2\nsys.setswitchinterval(0.005)")
+    for _ in range(3):
+        r = await lease.ipython(code)
+        assert r.stdout == "".join(f"{k}\n" for k in range(4000)), r.truncated

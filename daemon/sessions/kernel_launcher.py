@@ -51,6 +51,16 @@ without it). The IO thread holds a lock while it runs its queue, and a direct se
 lock and finds the queue empty, so the socket is used by one thread at a time and nothing
 overtakes what was queued before it (stream output flushed at the end of a cell is queued, and
 its idle status then too).
+
+Output takes that path too. Stock ipykernel sends a cell's output through the IO thread and waits
+for that thread at the end of the cell, and sets up the timed flush (every 0.2 s, so a long cell's
+output streams) through the IO thread's queue, which then sends the idle status too. Here the
+end-of-cell flush sends from the cell's own thread (at once when the queue is empty, else queued
+behind it), and the timed flush is set up with the IO loop's thread-safe callback. Taking the
+buffer and sending it is one step under the same lock on every thread, so a timed flush cannot
+take earlier output and send it after later output the cell's thread sent. A ``print`` cell:
+p50 3.37 -> 2.96 and 3.17 -> 2.76 ms, kernel CPU 3.01 -> 2.62 and 2.88 -> 2.45 ms, two runs
+against the launcher without it.
 """
 
 import functools
@@ -69,15 +79,60 @@ import zmq  # noqa: E402
 from jupyter_client import jsonutil  # noqa: E402
 
 _stock_flush = iostream.OutStream.flush
+_stock_flush_now = iostream.OutStream._flush
 
 
-def _flush_when_pending(self):  # type: ignore[no-untyped-def]
+def _socket_lock_of(stream):  # type: ignore[no-untyped-def]
+    """The lock of the stream's IO thread when the caller may send through it (this launcher's
+    thread, running, in the kernel's own process: a forked child inherits the lock in whatever
+    state a parent thread held it); else None."""
+    pub = stream.pub_thread
+    lock = getattr(pub, "_socket_lock", None)
+    if lock is None or pub.thread is None or not pub.thread.is_alive() or not stream._is_master_process():
+        return None
+    return lock
+
+
+def _flush_now_locked(self):  # type: ignore[no-untyped-def]
+    # Taking the buffer and handing its text on is one step under the socket lock, on every
+    # thread: the IO thread's timed flush could otherwise take an earlier piece of output and
+    # queue it after a later piece the cell's thread took and sent at once.
+    lock = _socket_lock_of(self)
+    if lock is None:
+        _stock_flush_now(self)
+        return
+    with lock:
+        _stock_flush_now(self)
+
+
+def _flush_on_this_thread(self):  # type: ignore[no-untyped-def]
     # A build without these flags flushes as stock ipykernel does.
-    if getattr(self, "_flush_pending", True) or getattr(self, "_subprocess_flush_pending", True):
+    if not (getattr(self, "_flush_pending", True) or getattr(self, "_subprocess_flush_pending", True)):
+        return
+    if _socket_lock_of(self) is None:
         _stock_flush(self)
+        return
+    # Sent from here: at once when the IO thread's queue is empty, else queued behind it.
+    self._flush()
 
 
-iostream.OutStream.flush = _flush_when_pending  # type: ignore[method-assign]
+_stock_schedule_flush = iostream.OutStream._schedule_flush
+
+
+def _schedule_flush_off_the_queue(self):  # type: ignore[no-untyped-def]
+    # The timed flush (output of a long cell streams out every flush_interval) is set up through
+    # the IO loop's own thread-safe callback, not the IO thread's queue: a queue that is not
+    # empty sends the cell's output and idle status through the IO thread, not at once.
+    if self._flush_pending or _socket_lock_of(self) is None:
+        _stock_schedule_flush(self)
+        return
+    self._flush_pending = True
+    self._io_loop.add_callback(self._io_loop.call_later, self.flush_interval, self._flush)
+
+
+iostream.OutStream._schedule_flush = _schedule_flush_off_the_queue  # type: ignore[method-assign]
+iostream.OutStream._flush = _flush_now_locked  # type: ignore[method-assign]
+iostream.OutStream.flush = _flush_on_this_thread  # type: ignore[method-assign]
 
 
 class _IOPubThread(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
@@ -86,7 +141,7 @@ class _IOPubThread(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
 
     def __init__(self, socket, pipe=False, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(socket, pipe=False, **kwargs)
-        self._socket_lock = threading.Lock()
+        self._socket_lock = threading.RLock()
         """Held by whichever thread uses the socket: the IO thread while it runs its events, or
         another thread sending at once (a ZeroMQ socket may change threads behind a lock)."""
 
