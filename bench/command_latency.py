@@ -7,7 +7,9 @@ send-keys and capture-pane polling, as tmux-based agent runtimes do, (c) one
 client on its kernel, as in a rollout), and then that kernel driven by jupyter_client's
 ``BlockingKernelClient`` directly (``ipython_bare_p50_ms``: send the request, read iopub until the
 cell's idle status and its shell reply, in a tight blocking loop: the kernel's own floor),
-interleaved with our client's cells on the same kernel (``ipython_ipc_paired_p50_ms``). A second
+interleaved with our client's cells on the same kernel (``ipython_ipc_paired_p50_ms``), and the
+same pair for a cell that prints (``ipython_print_paired_p50_ms``, ``ipython_print_bare_p50_ms``:
+its output is one more message, sent from the kernel's IO thread or not). A second
 client on a kernel slows the first one's cells (every iopub message goes to both: measured 1.35
 against 2.15 ms with a local kernel), so the ratio compares the paired figures. Then a lease from
 the warm pool and a cold instance start. Every baseline is measured in this run: the ratios are
@@ -119,8 +121,9 @@ class BareJupyter:
         self.client.stop_channels()
 
 
-async def ipython_vs_bare(kernel: KernelSession, n: int, warmup: int = 10) -> dict[str, list[float]]:
-    """Our cell and jupyter_client's on the same kernel, in turn: wall time per cell, and this
+async def ipython_vs_bare(kernel: KernelSession, n: int, code: str = "x = 1",
+                          warmup: int = 10) -> dict[str, list[float]]:
+    """Our cell ``code`` and jupyter_client's on the same kernel, in turn: wall time per cell, and this
     process's CPU time per cell (``*_cpu``; jupyter_client's includes its channel threads). Each
     side first takes in what the other's cell published (both SUB sockets get every iopub
     message), outside the timing."""
@@ -130,11 +133,11 @@ async def ipython_vs_bare(kernel: KernelSession, n: int, warmup: int = 10) -> di
         for i in range(warmup + n):
             bare.drain()
             c0, t0 = time.process_time(), time.perf_counter()
-            bare.execute("x = 1")
+            bare.execute(code)
             t1, c1 = time.perf_counter(), time.process_time()
             await asyncio.sleep(0.002)  # the loop reads the bare cell's messages off our sockets
             c2, t2 = time.process_time(), time.perf_counter()
-            await kernel.execute("x = 1")
+            await kernel.execute(code)
             t3, c3 = time.perf_counter(), time.process_time()
             if i >= warmup:
                 out["bare"].append(t1 - t0)
@@ -201,6 +204,9 @@ async def main() -> int:
         await tcp_kernel.close()
         versus = await ipython_vs_bare(kernel, n)
         k_ours, k_bare = summary_ms(versus["ipc"]), summary_ms(versus["bare"])
+        printing = await ipython_vs_bare(kernel, n, code="print('hello')")
+        p_ours, p_bare = summary_ms(printing["ipc"]), summary_ms(printing["bare"])
+        results.update(ipython_print_paired_p50_ms=p_ours["p50_ms"], ipython_print_bare_p50_ms=p_bare["p50_ms"])
         results.update(ipython_ipc_cpu_ms_per_cell=1e3 * statistics.fmean(versus["ipc_cpu"]),
                        ipython_bare_cpu_ms_per_cell=1e3 * statistics.fmean(versus["bare_cpu"]))
         results.update(ipython_ipc_p50_ms=k_ipc["p50_ms"], ipython_tcp_p50_ms=k_tcp["p50_ms"],
@@ -210,7 +216,9 @@ async def main() -> int:
                      ["tcp 127.0.0.1 (ours)", k_tcp["p50_ms"], k_tcp["p99_ms"], k_tcp["n"]],
                      ["ipc (ours), jupyter_client on it too", k_ours["p50_ms"], k_ours["p99_ms"], k_ours["n"]],
                      ["same kernel, jupyter_client directly (floor)", k_bare["p50_ms"], k_bare["p99_ms"],
-                      k_bare["n"]]])
+                      k_bare["n"]],
+                     ["print('hello'): ipc (ours)", p_ours["p50_ms"], p_ours["p99_ms"], p_ours["n"]],
+                     ["print('hello'): jupyter_client directly", p_bare["p50_ms"], p_bare["p99_ms"], p_bare["n"]]])
         print(f"client process CPU per cell: ours {results['ipython_ipc_cpu_ms_per_cell']:.3f} ms, jupyter_client "
               f"{results['ipython_bare_cpu_ms_per_cell']:.3f} ms (the rest of a cell's time is the kernel's)")
         print(f"kernel start on a lease's first cell: {results['kernel_start_ms']:.0f} ms")
