@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _LAUNCHER_SOURCE = Path(__file__).with_name("kernel_launcher.py").read_bytes()
 """Copied into each sandbox's run folder at a kernel's start (read once, not per start)."""
+IOPUB_JOIN_RETRY_S = 0.02
+"""While a starting kernel's iopub is not joined yet: how long to wait for the idle status of a
+kernel_info before sending another (each costs the kernel about a millisecond)."""
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
 
 
@@ -163,7 +166,7 @@ class KernelSession:
                     continue
                 # The kernel publishes an idle status after each request (the launcher drops busy);
                 # seeing one proves iopub is joined.
-                if (await ch.next(ch.iopub_messages, 0.25)).parent_id in sent:
+                if (await ch.next(ch.iopub_messages, IOPUB_JOIN_RETRY_S)).parent_id in sent:
                     return
             except TimeoutError:
                 if shell_ready:

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 DELIMITER = b"<IDS|MSG>"
 PROTOCOL_VERSION = "5.3"
+RECONNECT_IVL_MS = 10
+"""How often a channel retries its connect while the kernel has not bound yet. ZeroMQ's default,
+100 ms, kept a starting kernel's first answer waiting up to that long after the kernel was up;
+a failed connect to an ipc path is one syscall."""
 
 
 @dataclass(slots=True)
@@ -115,6 +119,7 @@ class KernelChannels:
         for sock, port_key, queue in ((make_socket(ctx, zmq.DEALER), "shell_port", self.shell_replies),
                                       (sub, "iopub_port", self.iopub_messages),
                                       (make_socket(ctx, zmq.DEALER), "control_port", None)):
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             sock.connect(channel_address(connection, port_key))
             self._sockets.append(LoopSocket(sock, self._receiver(queue)))
         self.shell, self.iopub, self.control = self._sockets
