@@ -137,6 +137,17 @@ async def test_kernel_starts_without_debugger_and_jedi_but_cells_can_import_them
     assert (imported.status, imported.result) == ("ok", "('debugpy', 'jedi')"), imported.error
 
 
+async def test_kernel_starts_without_the_terminal_shell_but_cells_can_use_it(lease: Lease) -> None:
+    """IPython 8 imports its terminal shell with itself, for ``IPython.embed``; the launcher puts
+    that off until a cell asks for it (IPython 9 does so itself)."""
+    loaded = await lease.ipython("import sys\nsorted(m for m in ('prompt_toolkit', 'IPython.terminal.embed') "
+                                 "if m in sys.modules)")
+    assert loaded.result == "[]", "the kernel loaded the terminal shell at start-up"
+    used = await lease.ipython("import IPython\nfrom IPython import embed\nimport IPython.terminal.embed as e\n"
+                               "(embed is IPython.embed is e.embed, e.InteractiveShellEmbed.__name__)")
+    assert (used.status, used.result) == ("ok", "(True, 'InteractiveShellEmbed')"), used.error
+
+
 @contextlib.asynccontextmanager
 async def kernel_channels(lease: Lease) -> AsyncIterator[KernelChannels]:
     """The lease's kernel's own channels, once its iopub delivers (a SUB socket joins late: a

@@ -64,14 +64,51 @@ against the launcher without it.
 """
 
 import functools
+import importlib
 import inspect
 import sys
 import threading
+import types
 from datetime import datetime
 
 _HIDDEN = ("debugpy", "jedi")
 for _name in _HIDDEN:
     sys.modules[_name] = None  # type: ignore[assignment]  # `import` raises ImportError
+
+_EMBED = "IPython.terminal.embed"
+
+
+def _embed_when_called(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """``IPython.embed`` while the kernel starts: the terminal shell, imported when called."""
+    return importlib.import_module(_EMBED).embed(*args, **kwargs)
+
+
+# IPython 8 imports its terminal shell (prompt_toolkit and all) as it is imported itself, for
+# IPython.embed alone, which a kernel never calls: ~0.1 s of a kernel's CPU and start-up. IPython
+# 9 makes that import lazy itself. The stand-in goes once the kernel is up (_embed_on_access).
+_embed_later = types.ModuleType(_EMBED)
+_embed_later.embed = _embed_when_called  # type: ignore[attr-defined]
+sys.modules[_EMBED] = _embed_later
+
+
+def _embed_on_access():  # type: ignore[no-untyped-def]
+    """From now on ``IPython.terminal.embed`` is the real module, and ``IPython.embed`` its
+    function, imported on first access as IPython 9 does (a call through the stand-in would
+    hand the terminal shell the stand-in's frame instead of the caller's)."""
+    if sys.modules.get(_EMBED) is _embed_later:
+        del sys.modules[_EMBED]
+    ipython = sys.modules.get("IPython")
+    if ipython is None or vars(ipython).get("embed") is not _embed_when_called:
+        return
+    del ipython.embed
+
+    def __getattr__(name):  # type: ignore[no-untyped-def]
+        if name == "embed":
+            return importlib.import_module(_EMBED).embed
+        raise AttributeError(f"module 'IPython' has no attribute {name!r}")
+
+    ipython.__getattr__ = __getattr__
+
 
 import ipykernel.kernelapp as kernelapp  # noqa: E402
 from ipykernel import iostream, ipkernel, kernelbase  # noqa: E402
@@ -269,5 +306,6 @@ if __name__ == "__main__":
     for _name in _HIDDEN:
         if sys.modules.get(_name, 0) is None:
             del sys.modules[_name]
+    _embed_on_access()
     _send_replies_at_once(app.kernel)
     app.start()
