@@ -182,7 +182,8 @@ class _IOPubThread(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
         super().__init__(socket, pipe=False, **kwargs)
         self._socket_lock = threading.RLock()
         """Held by whichever thread uses the socket: the IO thread while it runs its events, or
-        another thread sending at once (a ZeroMQ socket may change threads behind a lock)."""
+        another thread sending at once (a ZeroMQ socket may change threads behind a lock), or
+        any thread flushing output. Reentrant: a flush holds it while its own send takes it."""
 
     def _handle_event(self, msg):  # type: ignore[no-untyped-def]
         with self._socket_lock:
