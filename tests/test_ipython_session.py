@@ -80,6 +80,21 @@ async def test_every_cells_output_arrives_with_it(lease: Lease) -> None:
         assert (r.stdout, r.stderr) == expected, (i, r)
 
 
+async def test_each_cell_is_transformed_once_and_runs_as_transformed(lease: Lease) -> None:
+    """ipykernel and IPython's run_cell both transform a cell; the launcher keeps the first
+    result for the second. Magics, shell escapes and top-level await still work."""
+    await lease.ipython("calls = []\ndef count(lines):\n    calls.append(1)\n    return lines\n"
+                        "get_ipython().input_transformers_cleanup.append(count)")
+    await lease.ipython("x = 1")
+    assert (await lease.ipython("len(calls)")).result == "2", "a cell was transformed more than once"
+    escaped = await lease.ipython("!echo from-the-shell\nlines = !echo captured\nlines[0]")
+    # The shell escape's output comes through a PTY: \r\n.
+    assert (escaped.stdout.strip(), escaped.result) == ("from-the-shell", "'captured'"), escaped.error
+    awaited = await lease.ipython("import asyncio\nawait asyncio.sleep(0)\n6 * 7")
+    assert awaited.result == "42", awaited.error
+    assert (await lease.ipython("len(calls)")).result == "5"
+
+
 async def test_state_persists_between_cells(lease: Lease) -> None:
     await lease.ipython("counter = [1, 2]")
     assert (await lease.ipython("counter.append(3); len(counter)")).result == "3"

@@ -63,6 +63,10 @@ buffer and sending it is one step under the same lock on every thread, so a time
 take earlier output and send it after later output the cell's thread sent. A ``print`` cell:
 p50 3.37 -> 2.96 and 3.17 -> 2.76 ms, kernel CPU 3.01 -> 2.62 and 2.88 -> 2.45 ms, two runs
 against the launcher without it.
+
+ipykernel transforms each cell (IPython's input transformers: magics, shell escapes) to see whether
+it must run as a coroutine, and IPython's ``run_cell`` then transforms it again; the second call
+takes the first one's result: a six-line cell 2.79 -> 2.57 ms p50, the kernel's CPU 0.22 ms less.
 """
 
 import functools
@@ -115,6 +119,7 @@ def _embed_on_access():  # type: ignore[no-untyped-def]
 import ipykernel.kernelapp as kernelapp  # noqa: E402
 from ipykernel import iostream, ipkernel, kernelbase  # noqa: E402
 import zmq  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 from jupyter_client import jsonutil  # noqa: E402
 
 _stock_flush = iostream.OutStream.flush
@@ -240,6 +245,24 @@ for _check in ("_accepts_cell_id", "_accepts_parameters"):
         for _module in (kernelbase, ipkernel):
             if hasattr(_module, _check):
                 setattr(_module, _check, _cached)
+
+
+_stock_transform_cell = InteractiveShell.transform_cell
+
+
+def _transform_cell_once(self, raw_cell):  # type: ignore[no-untyped-def]
+    # ipykernel transforms each cell to see whether it must run as a coroutine, then IPython's
+    # run_cell transforms it again, with nothing run in between: the second call, with the very
+    # same string, takes the first one's result (it is kept for that one call only).
+    kept = self.__dict__.pop("_transformed_once", None)
+    if kept is not None and kept[0] is raw_cell:
+        return kept[1]
+    cell = _stock_transform_cell(self, raw_cell)
+    self.__dict__["_transformed_once"] = (raw_cell, cell)
+    return cell
+
+
+InteractiveShell.transform_cell = _transform_cell_once
 
 
 def _no_execute_input(self, *args, **kwargs):  # type: ignore[no-untyped-def]
