@@ -52,7 +52,10 @@ kernel's CPU (p50 1.84 -> 1.67 ms, CPU 1.60 -> 1.42 ms: means of two runs agains
 without it). The IO thread holds a lock while it runs its queue, and a direct send takes that
 lock and finds the queue empty, so the socket is used by one thread at a time and nothing
 overtakes what was queued before it (stream output flushed at the end of a cell is queued, and
-its idle status then too).
+its idle status then too). Not with ipykernel 7, whose iopub socket is an XPUB that its IO thread
+also serves outside the queue (subscriptions). A thread may queue while it holds the lock, so
+the IO thread's wake-up never blocks: a full wake-up pipe holds unread wake-ups that run every
+queued event.
 
 Output takes that path too. Stock ipykernel sends a cell's output through the IO thread and waits
 for that thread at the end of the cell, and sets up the timed flush (every 0.2 s, so a long cell's
