@@ -90,6 +90,7 @@ async def test_each_cell_is_transformed_once_and_runs_as_transformed(lease: Leas
     escaped = await lease.ipython("!echo from-the-shell\nlines = !echo captured\nlines[0]")
     # The shell escape's output comes through a PTY: \r\n.
     assert (escaped.stdout.strip(), escaped.result) == ("from-the-shell", "'captured'"), escaped.error
+    # A top-level await of a zero-second sleep: the cell runs as a coroutine, and nothing waits.
     awaited = await lease.ipython("import asyncio\nawait asyncio.sleep(0)\n6 * 7")
     assert awaited.result == "42", awaited.error
     assert (await lease.ipython("len(calls)")).result == "5"
@@ -201,17 +202,12 @@ async def idle_of(ch: KernelChannels, msg_id: str, published: list[KernelMessage
         published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))
 
 
-def execute(ch: KernelChannels, code: str) -> str:
-    return ch.send(ch.shell, "execute_request", {"code": code, "silent": False, "store_history": True,
-                                                 "user_expressions": {}, "allow_stdin": False, "stop_on_error": False})
-
-
 async def test_cells_sent_at_once_are_answered_in_order_each_with_its_output(lease: Lease) -> None:
     """The launcher sends a reply as soon as it is made and queues requests without waking its
     own loop: cells sent at once still get their replies in order, and each cell's output comes
     before its idle status (then no output is taken for the next cell's)."""
     async with kernel_channels(lease) as ch:
-        sent = [execute(ch, f"print('cell-{i}')") for i in range(8)]
+        sent = [ch.execute(f"print('cell-{i}')") for i in range(8)]
         replies: list[KernelMessage] = []
         while len(replies) < len(sent):  # the probes' replies may come after their idle status
             reply = await ch.next(ch.shell_replies, KERNEL_SPAWN_S)
@@ -237,7 +233,8 @@ async def test_output_of_a_running_cell_streams_out_before_the_cell_ends(lease: 
     """The launcher sets up the kernel's timed flush (every 0.2 s while output waits) without its
     IO thread's queue: output written without a flush still leaves while the cell runs on."""
     async with kernel_channels(lease) as ch:
-        msg_id = execute(ch, "import time\nprint('early')\ntime.sleep(3)\nprint('late')")
+        # Time is what is tested: the cell must still be running when its first output arrives.
+        msg_id = ch.execute("import time\nprint('early')\ntime.sleep(3)\nprint('late')")
         published: list[KernelMessage] = []
         while not any(m.msg_type == "stream" for m in published):
             published.append(await ch.next(ch.iopub_messages, KERNEL_SPAWN_S))

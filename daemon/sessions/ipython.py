@@ -210,9 +210,7 @@ class KernelSession:
         # Replies and output of earlier requests (start-up probes, an interrupted cell) are stale.
         ch.drain(ch.shell_replies)
         ch.drain(ch.iopub_messages)
-        msg_id = ch.send(ch.shell, "execute_request", {
-            "code": code, "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False,
-            "stop_on_error": False})
+        msg_id = ch.execute(code)
         self._running_msg_id = msg_id
         out = OutputCollector(self.max_output_bytes)
         err = OutputCollector(self.max_output_bytes)

@@ -138,6 +138,13 @@ class KernelChannels:
         channel.send(frames)
         return msg_id
 
+    def execute(self, code: str) -> str:
+        """Send ``code`` as a cell on the shell channel (no stdin, not stopping the queue on an
+        error); its message id."""
+        return self.send(self.shell, "execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False,
+            "stop_on_error": False})
+
     @staticmethod
     async def next(queue: asyncio.Queue[KernelMessage], timeout_s: float) -> KernelMessage:
         """The next message of ``queue``; TimeoutError after ``timeout_s``."""

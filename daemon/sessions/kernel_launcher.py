@@ -160,11 +160,13 @@ def _flush_on_this_thread(self):  # type: ignore[no-untyped-def]
     # A build without these flags flushes as stock ipykernel does.
     if not (getattr(self, "_flush_pending", True) or getattr(self, "_subprocess_flush_pending", True)):
         return
-    if _socket_lock_of(self) is None:
+    lock = _socket_lock_of(self)
+    if lock is None:
         _stock_flush(self)
         return
     # Sent from here: at once when the IO thread's queue is empty, else queued behind it.
-    self._flush()
+    with lock:
+        _stock_flush_now(self)
 
 
 _stock_schedule_flush = iostream.OutStream._schedule_flush
