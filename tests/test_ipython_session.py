@@ -14,6 +14,8 @@ from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sessions import ipython
+from rolloutd.daemon.sessions.ipython import _CONNECTED_SOCKETS, KernelSession
 from rolloutd.daemon.sessions.jupyter_wire import KernelChannels, KernelMessage
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
 
@@ -48,6 +50,31 @@ async def test_a_kernel_that_cannot_start_fails_its_cell_and_the_next_cell_retri
     assert lease.kernel is None
     assert (await lease.run("echo shell-ok")).output.strip() == "shell-ok"
     assert (await lease.ipython("6 * 7")).result == "42"
+
+
+async def test_a_kernel_that_never_opens_its_sockets_fails_within_its_ready_timeout(
+        lease: Lease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for the kernel's socket files is bounded by ``ready_timeout_s``, and the stuck
+    process does not outlive the failed start."""
+    monkeypatch.setattr(type(lease.sandbox), "python", property(lambda self: "sleep 600; :"))
+    session = KernelSession(lease.sandbox, ready_timeout_s=1.0, name="mute")
+    with pytest.raises(KernelError, match=r"did not open its sockets within 1.0 s \(ready_timeout_s\)"):
+        await session.start()
+    assert not any("sleep" in " ".join(psutil.Process(pid).cmdline()) for pid in lease.sandbox.process_ids())
+
+
+async def test_channels_connect_once_the_kernels_sockets_exist(lease: Lease, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connected earlier, ZeroMQ would retry each connect on a timer until the kernel binds (see
+    ``native_io.file_events``)."""
+    missing_at_connect: list[list[str]] = []
+
+    def channels(connection: dict[str, object]) -> KernelChannels:
+        missing_at_connect.append([n for n in _CONNECTED_SOCKETS if not (lease.sandbox.run_dir / n).exists()])
+        return KernelChannels(connection)
+
+    monkeypatch.setattr(ipython, "KernelChannels", channels)
+    assert (await lease.ipython("6 * 7")).result == "42"
+    assert missing_at_connect == [[]]
 
 
 async def test_destroy_while_the_kernel_starts_leaves_no_process(backend: SandboxBackend) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rolloutd.native_io.errors import CommandTimeout, KernelDied, KernelError
+from rolloutd.native_io.file_events import NamesAppear
 from rolloutd.native_io.host_files import create_in, read_tail, write_new
 from rolloutd.native_io.output import LOG_TAIL_CHARS, OutputCollector, tail
 from rolloutd.native_io.spawn import Child, spawn
@@ -39,6 +40,8 @@ IOPUB_JOIN_RETRY_S = 0.02
 """While a starting kernel's iopub is not joined yet: how long to wait for the idle status of a
 kernel_info before sending another (each costs the kernel about a millisecond)."""
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
+_CONNECTED_SOCKETS = [f"k-{_PORTS[p]}" for p in KernelChannels.PORTS]
+"""The kernel's ipc socket files that ``KernelChannels`` connects to."""
 
 
 class KernelHost(Protocol):
@@ -105,53 +108,52 @@ class KernelSession:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
-    def _connection(self, ip: str, key: str, ports: dict[str, int]) -> dict[str, Any]:
-        return {"transport": self.transport, "ip": ip, "key": key, "signature_scheme": "hmac-sha256",
-                "kernel_name": "", **ports}
-
     async def start(self) -> None:
         sb = self.sandbox
-        key = secrets.token_hex(16)
-        if self.transport == "ipc":
-            host_info = self._connection(str(sb.run_dir / "k"), key, _PORTS)
-            inside_info = self._connection(f"{sb.run_dir_inside}/k", key, _PORTS)
-        else:
-            ports = dict(zip(_PORTS, _free_tcp_ports(len(_PORTS))))
-            host_info = inside_info = self._connection("127.0.0.1", key, ports)
-        # The run folder is the sandbox's to write too: these files are made afresh (host_files).
-        write_new(sb.run_dir, "kernel.json", json.dumps(inside_info).encode())
-        for port in _PORTS.values():  # stale sockets of a previous kernel
-            with contextlib.suppress(FileNotFoundError):
-                (sb.run_dir / f"k-{port}").unlink()
-        write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER_SOURCE, 0o644)
-        launch = (
-            f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
-            f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False "
-            "--IPythonKernel._execute_sleep=0"
-        )
-        env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
-               "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
-        log_file = open(create_in(sb.run_dir, "kernel.log"), "wb")
-        try:
-            self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
-                                     stdout=log_file, stderr=log_file, start_new_session=True)
-        finally:
-            log_file.close()
-        sb.session_ids.add(self._proc.pid)
-        # No heartbeat channel: a dead kernel shows as the exit of its process, which we watch already.
-        self.connection = host_info
-        self._channels = KernelChannels(host_info)
-        try:
-            await self._wait_ready()
-        except BaseException:
-            await self._stop_process()
-            raise
+        host_info, launch, env = _prepare_start(sb, self.transport)
+        deadline = time.monotonic() + self.ready_timeout_s
+        watch = NamesAppear(sb.run_dir, _CONNECTED_SOCKETS) if self.transport == "ipc" else None
+        with watch if watch is not None else contextlib.nullcontext():
+            with open(create_in(sb.run_dir, "kernel.log"), "wb") as log_file:
+                self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
+                                         stdout=log_file, stderr=log_file, start_new_session=True)
+            sb.session_ids.add(self._proc.pid)
+            try:
+                if watch is not None:
+                    await self._until_bound(watch, deadline)
+                # No heartbeat channel: a dead kernel shows as the exit of its process, which we watch already.
+                self.connection = host_info
+                self._channels = KernelChannels(host_info)
+                await self._wait_ready(deadline)
+            except BaseException:
+                await self._stop_process()
+                raise
 
-    async def _wait_ready(self) -> None:
+    async def _until_bound(self, bound: NamesAppear, deadline: float) -> None:
+        """Until the kernel has bound the sockets we connect to: connected before, they would retry
+        on a timer until then (see ``NamesAppear``)."""
+        assert self._proc is not None
+        waiting = asyncio.ensure_future(bound.wait())
+        try:
+            await asyncio.wait({waiting, self._proc.exited}, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting  # it must be off the watch's descriptor before the watch closes
+        if not waiting.cancelled():
+            waiting.result()  # raises what the watch raised, if anything
+            return
+        if not self.alive:
+            raise self._exited_at_start()
+        raise KernelError(f"kernel did not open its sockets within {self.ready_timeout_s} s (ready_timeout_s); "
+                          f"log: {self._log_tail()}")
+
+    async def _wait_ready(self, deadline: float) -> None:
         """kernel_info until it answers and iopub delivers (ZeroMQ SUB sockets join late)."""
         ch = self._channels
         assert ch is not None
-        deadline = time.monotonic() + self.ready_timeout_s
         # ZeroMQ queues a request sent before the kernel binds and delivers it once connected, so
         # one kernel_info proves the shell channel; sending more while waiting would only make
         # the kernel answer each of them. Only a missed iopub status needs another request.
@@ -159,7 +161,7 @@ class KernelSession:
         shell_ready = False
         while time.monotonic() < deadline:
             if not self.alive:
-                raise KernelError(f"kernel exited during start-up; see {self.sandbox.run_dir / 'kernel.log'}: {self._log_tail()}")
+                raise self._exited_at_start()
             try:
                 if not shell_ready:
                     shell_ready = (await ch.next(ch.shell_replies, 0.25)).parent_id in sent
@@ -175,6 +177,10 @@ class KernelSession:
             f"kernel did not answer kernel_info within {self.ready_timeout_s} s (ready_timeout_s); "
             f"log: {self._log_tail()}"
         )
+
+    def _exited_at_start(self) -> KernelError:
+        return KernelError(f"kernel exited during start-up; see {self.sandbox.run_dir / 'kernel.log'}: "
+                           f"{self._log_tail()}")
 
     def _log_tail(self) -> str:
         return tail(read_tail(self.sandbox.run_dir, "kernel.log", 4 * LOG_TAIL_CHARS).decode(errors="replace"),
@@ -310,6 +316,36 @@ class KernelSession:
 
 class _KernelGone(Exception):
     pass
+
+
+def _prepare_start(sb: KernelHost, transport: str) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """Write a kernel's connection file and launcher into the sandbox's run folder, where a previous
+    kernel's sockets are removed. Returns the connection as the host sees it, and the shell command
+    and environment that start the kernel inside."""
+    key = secrets.token_hex(16)
+
+    def connection(ip: str, ports: dict[str, int]) -> dict[str, Any]:
+        return {"transport": transport, "ip": ip, "key": key, "signature_scheme": "hmac-sha256",
+                "kernel_name": "", **ports}
+
+    if transport == "ipc":
+        host_info, inside_info = connection(str(sb.run_dir / "k"), _PORTS), connection(f"{sb.run_dir_inside}/k", _PORTS)
+    else:
+        host_info = inside_info = connection("127.0.0.1", dict(zip(_PORTS, _free_tcp_ports(len(_PORTS)))))
+    # The run folder is the sandbox's to write too: these files are made afresh (host_files).
+    write_new(sb.run_dir, "kernel.json", json.dumps(inside_info).encode())
+    for port in _PORTS.values():  # stale sockets of a previous kernel
+        with contextlib.suppress(FileNotFoundError):
+            (sb.run_dir / f"k-{port}").unlink()
+    write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER_SOURCE, 0o644)
+    launch = (
+        f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
+        f"-f {sb.run_dir_inside}/kernel.json --IPKernelApp.quiet=True --HistoryManager.enabled=False "
+        "--IPythonKernel._execute_sleep=0"
+    )
+    env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
+           "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
+    return host_info, launch, env
 
 
 def _free_tcp_ports(n: int) -> list[int]:

@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 DELIMITER = b"<IDS|MSG>"
 PROTOCOL_VERSION = "5.3"
 RECONNECT_IVL_MS = 10
-"""How often a channel retries its connect while the kernel has not bound yet. ZeroMQ's default,
-100 ms, kept a starting kernel's first answer waiting up to that long after the kernel was up;
-a failed connect to an ipc path is one syscall."""
+"""How often a channel retries a connect that failed: over ipc the session connects once the
+kernel's socket files exist (``ipython``), but bind() makes the file a moment before listen()
+accepts, and over tcp nothing tells when the kernel has bound. ZeroMQ's default, 100 ms, kept a
+starting kernel's first answer waiting up to that long after the kernel was up."""
 
 
 @dataclass(slots=True)
@@ -106,6 +107,9 @@ def channel_address(connection: dict[str, Any], port_key: str) -> str:
 class KernelChannels:
     """The shell, iopub and control channels of one kernel; replies wait in per-channel queues."""
 
+    PORTS = ("shell_port", "iopub_port", "control_port")
+    """The connection's ports these channels use, in that order."""
+
     def __init__(self, connection: dict[str, Any]) -> None:
         if connection.get("signature_scheme", "hmac-sha256") != "hmac-sha256":
             raise ValueError(f"unsupported signature scheme {connection['signature_scheme']!r}")
@@ -116,9 +120,8 @@ class KernelChannels:
         self._sockets: list[LoopSocket] = []
         sub = make_socket(ctx, zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for sock, port_key, queue in ((make_socket(ctx, zmq.DEALER), "shell_port", self.shell_replies),
-                                      (sub, "iopub_port", self.iopub_messages),
-                                      (make_socket(ctx, zmq.DEALER), "control_port", None)):
+        for sock, port_key, queue in zip((make_socket(ctx, zmq.DEALER), sub, make_socket(ctx, zmq.DEALER)),
+                                         self.PORTS, (self.shell_replies, self.iopub_messages, None)):
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             sock.connect(channel_address(connection, port_key))
             self._sockets.append(LoopSocket(sock, self._receiver(queue)))
