@@ -38,8 +38,31 @@ async def test_a_name_already_there_counts_and_one_made_then_removed_does_not(tm
         await asyncio.wait_for(watch.wait(), APPEAR_S)
 
 
-def test_a_link_in_place_of_the_folder_is_refused(tmp_path: Path) -> None:
+async def test_a_link_in_place_of_the_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
+    before = _inotify_instances()
     with pytest.raises(OSError, match="watching"):
         NamesAppear(tmp_path / "link", ["x"])
+    assert _inotify_instances() == before
+
+
+def _inotify_instances() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify" for fd in os.listdir("/proc/self/fd")
+               if os.path.islink(f"/proc/self/fd/{fd}"))
+
+
+async def test_the_waits_of_a_loop_share_one_instance_closed_after_the_last(tmp_path: Path) -> None:
+    """A user has 128 inotify instances by default, shared with what their sandboxes run."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = _inotify_instances()
+    watches = [NamesAppear(tmp_path / "a", ["x"]), NamesAppear(tmp_path / "a", ["y"]),
+               NamesAppear(tmp_path / "b", ["x"])]
+    assert _inotify_instances() == before + 1
+    watches[0].close()
+    (tmp_path / "a" / "y").touch()
+    await asyncio.wait_for(watches[1].wait(), APPEAR_S)  # its folder's watch outlived the first wait's
+    for watch in watches[1:]:
+        watch.close()
+    assert _inotify_instances() == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 from collections.abc import AsyncIterator
 
@@ -75,6 +76,16 @@ async def test_channels_connect_once_the_kernels_sockets_exist(lease: Lease, mon
     monkeypatch.setattr(ipython, "KernelChannels", channels)
     assert (await lease.ipython("6 * 7")).result == "42"
     assert missing_at_connect == [[]]
+
+
+async def test_a_kernel_starts_where_its_folder_cannot_be_watched(
+        lease: Lease, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def no_instance_left(*args: object) -> None:
+        raise OSError(errno.EMFILE, "inotify_init1: Too many open files")
+
+    monkeypatch.setattr(ipython, "NamesAppear", no_instance_left)
+    assert (await lease.ipython("6 * 7")).result == "42"
+    assert "connecting to the kernel without waiting for its sockets" in caplog.text
 
 
 async def test_destroy_while_the_kernel_starts_leaves_no_process(backend: SandboxBackend) -> None:

@@ -112,7 +112,7 @@ class KernelSession:
         sb = self.sandbox
         host_info, launch, env = _prepare_start(sb, self.transport)
         deadline = time.monotonic() + self.ready_timeout_s
-        watch = NamesAppear(sb.run_dir, _CONNECTED_SOCKETS) if self.transport == "ipc" else None
+        watch = _watch_sockets(sb.run_dir) if self.transport == "ipc" else None
         with watch if watch is not None else contextlib.nullcontext():
             with open(create_in(sb.run_dir, "kernel.log"), "wb") as log_file:
                 self._proc = await spawn(sb.exec_argv(["bash", "-c", launch], cwd=sb.workspace_inside, env=env),
@@ -138,11 +138,8 @@ class KernelSession:
             await asyncio.wait({waiting, self._proc.exited}, timeout=max(0.0, deadline - time.monotonic()),
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not waiting.done():
-                waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiting  # it must be off the watch's descriptor before the watch closes
-        if not waiting.cancelled():
+            waiting.cancel()
+        if waiting.done() and not waiting.cancelled():
             waiting.result()  # raises what the watch raised, if anything
             return
         if not self.alive:
@@ -346,6 +343,16 @@ def _prepare_start(sb: KernelHost, transport: str) -> tuple[dict[str, Any], str,
     env = {"IPYTHONDIR": f"{sb.run_dir_inside}/ipython", "JUPYTER_RUNTIME_DIR": f"{sb.run_dir_inside}/jupyter",
            "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
     return host_info, launch, env
+
+
+def _watch_sockets(run_dir: Path) -> NamesAppear | None:
+    """A watch for the kernel's socket files; None (the channels then retry until the kernel binds)
+    where the folder cannot be watched, e.g. when the user's inotify instances are all taken."""
+    try:
+        return NamesAppear(run_dir, _CONNECTED_SOCKETS)
+    except OSError as e:
+        log.warning("connecting to the kernel without waiting for its sockets: %s", e)
+        return None
 
 
 def _free_tcp_ports(n: int) -> list[int]:
