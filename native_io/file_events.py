@@ -105,8 +105,7 @@ class NamesAppear:
     OSError when the folder cannot be watched."""
 
     def __init__(self, folder: Path, names: Iterable[str]) -> None:
-        self._folder = folder
-        self._missing = set(names)
+        self._missing = {os.path.join(folder, n) for n in names}
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         instance = _instances.get(self._loop)
@@ -129,7 +128,7 @@ class NamesAppear:
             self._changed.clear()
 
     def _still_missing(self) -> set[str]:
-        self._missing = {n for n in self._missing if not os.path.lexists(self._folder / n)}
+        self._missing = {path for path in self._missing if not os.path.lexists(path)}
         return self._missing
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 import os
 from collections import Counter
@@ -134,8 +135,8 @@ class Sandbox(abc.ABC):
         """Started ahead of need by the warm pool: its start-up runs at a lower CPU priority so it
         does not slow the rollouts in progress (set before ``start``)."""
 
-    # Paths as seen from the host and from inside.
-    @property
+    # Paths as seen from the host and from inside (the run folder's made once: a kernel's start asks often).
+    @functools.cached_property
     def run_dir(self) -> Path:
         return self.lease_dir / "run"
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import signal
@@ -333,7 +334,7 @@ def _prepare_start(sb: KernelHost, transport: str) -> tuple[dict[str, Any], str,
     write_new(sb.run_dir, "kernel.json", json.dumps(inside_info).encode())
     for port in _PORTS.values():  # stale sockets of a previous kernel
         with contextlib.suppress(FileNotFoundError):
-            (sb.run_dir / f"k-{port}").unlink()
+            os.unlink(f"{sb.run_dir}/k-{port}")
     write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER_SOURCE, 0o644)
     launch = (
         f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
