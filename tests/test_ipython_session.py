@@ -134,6 +134,18 @@ async def test_each_cell_is_transformed_once_and_runs_as_transformed(lease: Leas
     assert (await lease.ipython("len(calls)")).result == "5"
 
 
+async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once(lease: Lease) -> None:
+    """ipykernel and IPython's run_cell both ask (IPython compiles the whole cell for it, named
+    "<>"); the launcher keeps the first answer for the second."""
+    await lease.ipython("import builtins\nasked = []\n_compile = builtins.compile\n"
+                        "def counting(source, filename, *args, **kwargs):\n"
+                        "    if filename == '<>':\n        asked.append(source)\n"
+                        "    return _compile(source, filename, *args, **kwargs)\n"
+                        "builtins.compile = counting")
+    await lease.ipython("x = 1")
+    assert (await lease.ipython("builtins.compile = _compile\nasked.count('x = 1\\n')")).result == "1"
+
+
 async def test_cell_files_are_named_by_a_hash_in_c_and_tracebacks_still_show_the_cell(lease: Lease) -> None:
     """ipykernel's pure-Python murmur2 of each cell's code, for its (hidden) debugger, is replaced
     by blake2b; the file names stay unique per code, and a traceback still shows the cell's line."""
