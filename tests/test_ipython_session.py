@@ -146,6 +146,29 @@ async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once(lease: Lease) 
     assert (await lease.ipython("builtins.compile = _compile\nasked.count('x = 1\\n')")).result == "1"
 
 
+async def test_cells_without_ipython_syntax_are_not_tokenized_and_its_syntax_still_works(lease: Lease) -> None:
+    """Finding IPython's syntax tokenizes the cell in pure Python; the launcher skips that where none
+    of the characters it starts with is in the cell."""
+    # The next cells' tokenizations, seen from inside the kernel.
+    await lease.ipython("import IPython.core.inputtransformer2 as t2\ntokenized = []\n"
+                        "_by_line = t2.make_tokens_by_line\ndef counting(lines):\n"
+                        "    tokenized.append(''.join(lines))\n    return _by_line(lines)\n"
+                        "t2.make_tokens_by_line = counting")
+    plain = "total = 0\nfor i in range(3):\n    if i != 1:\n        total += i\ntotal"
+    assert (await lease.ipython(plain)).result == "2"
+    assert (await lease.ipython("r = '%d' % 4\nr")).result == "'4'"
+    # This cell has a '%' too: it is the last one tokenized.
+    seen = (await lease.ipython("earlier = tokenized[:-1]\n"
+                                "[\"'%d'\" in c for c in earlier], any('total' in c for c in earlier)")).result
+    assert seen == "([True], False)", seen
+    for code, result in (("here = %pwd\nhere == __import__('os').getcwd()", "True"), ("/len 'abc'", "3"),
+                         (",str abc", "'abc'"), ("out = !echo hi\nout[0]", "'hi'")):
+        r = await lease.ipython(code)
+        assert (r.status, r.result) == ("ok", result), (code, r)
+    broken = await lease.ipython("if True:\n    x = 1\n  y = 2")
+    assert broken.error is not None and broken.error["ename"] == "IndentationError", broken
+
+
 async def test_cell_files_are_named_by_a_hash_in_c_and_tracebacks_still_show_the_cell(lease: Lease) -> None:
     """ipykernel's pure-Python murmur2 of each cell's code, for its (hidden) debugger, is replaced
     by blake2b; the file names stay unique per code, and a traceback still shows the cell's line."""

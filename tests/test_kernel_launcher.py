@@ -48,3 +48,24 @@ def test_the_signature_check_is_remembered_per_function_not_for_all() -> None:
         print("ok")
     """)
     assert out == "ok\n"
+
+
+def test_cells_left_untokenized_are_those_ipythons_token_transforms_leave_alone() -> None:
+    """The launcher skips IPython's token transforms for cells without the characters their syntax
+    starts with; on these cells, that gives what the transforms give."""
+    out = run_with_launcher(r"""
+        from IPython.core.inputtransformer2 import TransformerManager
+        manager = TransformerManager()
+        assert [t.__name__ for t in manager.token_transformers] == launcher["_TOKEN_TRANSFORMERS"]
+        cells = ["x = 1\n", "if a != b:\n    pass\n", "s = 'a' / 2\n", "f(a,\n  /b)\n", "x = 'done'\n",
+                 "a = !ls\n", "!ls\n", "%time 1\n", "b = %pwd\n", "len?\n", "/f a b\n", ",f a b\n", ";f a b\n",
+                 "s = '%d' % 3\n", "q = 'why?'\n", "def f():\n    return 1\n", "x = 1  # a comment\n"]
+        skipped = 0
+        for cell in cells:
+            lines = cell.splitlines(keepends=True)
+            stock = launcher["_stock_token_transforms"](manager, lines)
+            assert launcher["_token_transforms_where_needed"](manager, lines) == stock, cell
+            skipped += launcher["_TOKEN_SYNTAX"].search(cell) is None
+        print(skipped)
+    """)
+    assert out == "6\n"  # the plain cells, but the one with a line starting with / (conservatively)
