@@ -134,16 +134,20 @@ async def test_each_cell_is_transformed_once_and_runs_as_transformed(lease: Leas
     assert (await lease.ipython("len(calls)")).result == "5"
 
 
-async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once(lease: Lease) -> None:
+async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once_and_only_if_it_says_await_or_async(
+        lease: Lease) -> None:
     """ipykernel and IPython's run_cell both ask (IPython compiles the whole cell for it, named
-    "<>"); the launcher keeps the first answer for the second."""
+    "<>"); the launcher keeps the first answer for the second, and answers no without compiling
+    for a cell with neither word."""
     await lease.ipython("import builtins\nasked = []\n_compile = builtins.compile\n"
                         "def counting(source, filename, *args, **kwargs):\n"
                         "    if filename == '<>':\n        asked.append(source)\n"
                         "    return _compile(source, filename, *args, **kwargs)\n"
                         "builtins.compile = counting")
     await lease.ipython("x = 1")
-    assert (await lease.ipython("builtins.compile = _compile\nasked.count('x = 1\\n')")).result == "1"
+    assert (await lease.ipython("import asyncio\nawait asyncio.sleep(0)\n6 * 7")).result == "42"
+    counts = "builtins.compile = _compile\n[sum(c.startswith(s) for c in asked) for s in ('x = 1', 'import asyncio')]"
+    assert (await lease.ipython(counts)).result == "[0, 1]"
 
 
 async def test_cells_without_ipython_syntax_are_not_tokenized_and_its_syntax_still_works(lease: Lease) -> None:
