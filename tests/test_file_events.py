@@ -20,7 +20,9 @@ async def test_waits_until_every_name_appears_by_creation_or_rename(tmp_path: Pa
         waiting = asyncio.ensure_future(watch.wait())
         (tmp_path / "other").touch()
         (tmp_path / "sock").touch()
-        await asyncio.sleep(0)  # the wait starts: it finds "sock" there and must go on for "moved"
+        # A zero-second yield, not a wait on time: the wait's task starts, finds "sock" there and
+        # must go on for "moved".
+        await asyncio.sleep(0)
         assert not waiting.done()
         (tmp_path / "staging").touch()
         loop.call_soon(os.rename, tmp_path / "staging", tmp_path / "moved")

@@ -145,6 +145,7 @@ async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once_and_only_if_it
                         "    return _compile(source, filename, *args, **kwargs)\n"
                         "builtins.compile = counting")
     await lease.ipython("x = 1")
+    # A top-level await of a zero-second sleep: a cell that is a coroutine, and nothing waits.
     assert (await lease.ipython("import asyncio\nawait asyncio.sleep(0)\n6 * 7")).result == "42"
     counts = "builtins.compile = _compile\n[sum(c.startswith(s) for c in asked) for s in ('x = 1', 'import asyncio')]"
     assert (await lease.ipython(counts)).result == "[0, 1]"

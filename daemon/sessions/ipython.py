@@ -41,7 +41,15 @@ IOPUB_JOIN_RETRY_S = 0.02
 """While a starting kernel's iopub is not joined yet: how long to wait for the idle status of a
 kernel_info before sending another (each costs the kernel about a millisecond)."""
 _PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
-_CONNECTED_SOCKETS = [f"k-{_PORTS[p]}" for p in KernelChannels.PORTS]
+_SOCKET_STEM = "k"
+"""The kernel's ipc sockets are ``<run folder>/k-<port>`` (Jupyter names them ``<ip>-<port>``)."""
+
+
+def _socket_file(port: int) -> str:
+    return f"{_SOCKET_STEM}-{port}"
+
+
+_CONNECTED_SOCKETS = [_socket_file(_PORTS[p]) for p in KernelChannels.PORTS]
 """The kernel's ipc socket files that ``KernelChannels`` connects to."""
 
 
@@ -327,14 +335,15 @@ def _prepare_start(sb: KernelHost, transport: str) -> tuple[dict[str, Any], str,
                 "kernel_name": "", **ports}
 
     if transport == "ipc":
-        host_info, inside_info = connection(str(sb.run_dir / "k"), _PORTS), connection(f"{sb.run_dir_inside}/k", _PORTS)
+        host_info = connection(f"{sb.run_dir}/{_SOCKET_STEM}", _PORTS)
+        inside_info = connection(f"{sb.run_dir_inside}/{_SOCKET_STEM}", _PORTS)
     else:
         host_info = inside_info = connection("127.0.0.1", dict(zip(_PORTS, _free_tcp_ports(len(_PORTS)))))
     # The run folder is the sandbox's to write too: these files are made afresh (host_files).
     write_new(sb.run_dir, "kernel.json", json.dumps(inside_info).encode())
     for port in _PORTS.values():  # stale sockets of a previous kernel
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{sb.run_dir}/k-{port}")
+            os.unlink(f"{sb.run_dir}/{_socket_file(port)}")
     write_new(sb.run_dir, "kernel_launcher.py", _LAUNCHER_SOURCE, 0o644)
     launch = (
         f"{sb.limits_prelude()}; exec {sb.python} {sb.run_dir_inside}/kernel_launcher.py "
