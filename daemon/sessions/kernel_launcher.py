@@ -245,6 +245,22 @@ class _IOPubThread(kernelapp.IOPubThread):  # type: ignore[name-defined,misc]
 
 kernelapp.IOPubThread = _IOPubThread  # type: ignore[attr-defined]
 
+_stock_bind_socket = kernelapp.IPKernelApp._bind_socket
+
+
+def _bind_socket_dropping_nothing(self, s, port):  # type: ignore[no-untyped-def]
+    # Stock ZeroMQ sockets hold 1,000 messages a peer and then drop what they send without a word
+    # (iopub's PUB) or fail it: a cell that prints fast while the daemon reads slowly lost lines of
+    # output. With no mark, what the daemon has not read yet waits in the kernel's memory, inside
+    # the sandbox's limits. Set before binding: a bound socket gives the connections it accepts the
+    # options it had when it was bound.
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    return _stock_bind_socket(self, s, port)
+
+
+kernelapp.IPKernelApp._bind_socket = _bind_socket_dropping_nothing
+
 _stock_dateutil_parse = jsonutil._dateutil_parse
 
 
