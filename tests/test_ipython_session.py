@@ -365,6 +365,8 @@ async def test_output_printed_while_the_reader_is_stopped_arrives_whole(lease: L
             f"for i in range(10000): print(i, flush=True)\nopen('{inside}/done', 'w').close()")
     cell = asyncio.ensure_future(lease.ipython(code, timeout_s=60))
     await async_wait_until(lambda: (host / "ready").exists() or cell.done(), KERNEL_SPAWN_S + 10, "the cell's start")
+    if cell.done():  # failed before it printed: nothing to stop this process for
+        cell.result()
     stopper = await asyncio.create_subprocess_exec(sys.executable, "-c", _STOPPED_WHILE_THE_CELL_PRINTS,
                                                    str(os.getpid()), str(host / "go"), str(host / "done"))
     r = await cell
