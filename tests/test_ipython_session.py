@@ -153,6 +153,33 @@ async def test_whether_a_cell_is_a_coroutine_is_compiled_for_once_and_only_if_it
     assert (await lease.ipython(counts)).result == "[0, 1]"
 
 
+async def test_the_statements_before_a_cells_last_are_compiled_as_one_and_run_as_they_were(lease: Lease) -> None:
+    """IPython compiles and runs each top-level statement on its own; the launcher compiles those
+    before the last as one block. What they do, print and raise is what it was: the last
+    expression is shown, a runtime error stops the cell at its own line, and a statement that
+    fails only when compiled leaves the statements before it run."""
+    await lease.ipython("import builtins\ncompiled = []\n_compile = builtins.compile\n"
+                        "def counting(source, filename, *args, **kwargs):\n"
+                        "    if filename != '<>':\n        compiled.append(type(source).__name__)\n"
+                        "    return _compile(source, filename, *args, **kwargs)\n"
+                        "builtins.compile = counting")
+    cell = ("total = 0\nfor i in range(4):\n    total += i\nprint('total', total)\n"
+            "def twice(v):\n    return 2 * v\nclass Box:\n    size: int = 3\nlabel: str = 'box'\ntwice(total)")
+    r = await lease.ipython(cell)
+    assert (r.status, r.stdout, r.result) == ("ok", "total 6\n", "12"), r
+    seen = await lease.ipython("builtins.compile = _compile\n"
+                               "compiled[:3], Box.__qualname__, __annotations__['label'], twice.__name__")
+    # The cell parsed, its six statements before the last compiled as one module, the last on its own.
+    assert seen.result == "(['str', 'Module', 'Interactive'], 'Box', str, 'twice')", seen
+    failed = await lease.ipython("a = 1\nprint('before')\nb = 1 / 0\nc = 3\nc")
+    assert (failed.status, failed.stdout, failed.error["ename"]) == ("error", "before\n", "ZeroDivisionError")
+    assert "----> 3 b = 1 / 0" in "\n".join(failed.error["traceback"]), failed.error["traceback"]
+    assert (await lease.ipython("'c' in dir(), a")).result == "(False, 1)"
+    late = await lease.ipython("first = 1\nsecond = 2\nreturn 3\nthird = 4\nthird")
+    assert (late.status, late.error["ename"]) == ("error", "SyntaxError"), late
+    assert (await lease.ipython("first + second, 'third' in dir()")).result == "(3, False)"
+
+
 async def test_cells_without_ipython_syntax_are_not_tokenized_and_its_syntax_still_works(lease: Lease) -> None:
     """Finding IPython's syntax tokenizes the cell in pure Python; the launcher skips that where none
     of the characters it starts with is in the cell."""
