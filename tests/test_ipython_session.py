@@ -180,6 +180,21 @@ async def test_the_statements_before_a_cells_last_are_compiled_as_one_and_run_as
     assert (await lease.ipython("first + second, 'third' in dir()")).result == "(3, False)"
 
 
+async def test_an_interrupt_while_the_leading_statements_compile_ends_the_cell_with_an_answer(lease: Lease) -> None:
+    """The interrupt (the daemon's, on a time-out) lands in the one compile of the statements
+    before the last: it is not taken for a block that does not compile (which would run the cell
+    statement by statement); the cell ends with KeyboardInterrupt, none of it ran, the kernel goes on."""
+    await lease.ipython("import ast\ncaching = type(get_ipython().compile)\n_call = caching.__call__\n"
+                        "def interrupted(self, source, *args):\n"
+                        "    if isinstance(source, ast.Module) and isinstance(source.body[0], ast.If):\n"
+                        "        caching.__call__ = _call\n        raise KeyboardInterrupt\n"
+                        "    return _call(self, source, *args)\n"
+                        "caching.__call__ = interrupted")
+    r = await lease.ipython("ran = 1\nran = 2\nran", timeout_s=10)
+    assert (r.status, r.error and r.error["ename"], r.kernel_restarted) == ("error", "KeyboardInterrupt", False)
+    assert (await lease.ipython("'ran' in dir()")).result == "False"
+
+
 async def test_cells_without_ipython_syntax_are_not_tokenized_and_its_syntax_still_works(lease: Lease) -> None:
     """Finding IPython's syntax tokenizes the cell in pure Python; the launcher skips that where none
     of the characters it starts with is in the cell."""

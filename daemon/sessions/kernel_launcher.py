@@ -381,7 +381,8 @@ async def _run_leading_statements_as_one(  # type: ignore[no-untyped-def]
     # compiled and run here as one block (an ``if True:``, whose line numbers are the cell's own).
     # A block that does not compile as one (a statement that fails only when compiled, such as a
     # ``return`` outside a function, after statements that must still run; a __future__ import),
-    # and a coroutine, take the stock path, statement by statement.
+    # and a coroutine, take the stock path, statement by statement. An interrupt during the compile
+    # is not a failure to compile: it goes up to IPython's run_cell, which ends the cell with it.
     if len(nodelist) > 2 and interactivity in _SHOWING_THE_LAST_AT_MOST and hasattr(compiler, "extra_flags"):
         head = nodelist[:-1]
         block = ast.If(test=ast.Constant(True), body=head, orelse=[])
