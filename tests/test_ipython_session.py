@@ -388,7 +388,7 @@ os.kill(pid, signal.SIGSTOP)
 try:
     open(go, "w").close()
     deadline = time.monotonic() + 60
-    while not os.path.exists(done) and time.monotonic() < deadline:
+    while not os.path.exists(done) and time.monotonic() < deadline:  # a condition, polled to a deadline
         time.sleep(0.01)
 finally:
     os.kill(pid, signal.SIGCONT)
@@ -402,6 +402,7 @@ async def test_output_printed_while_the_reader_is_stopped_arrives_whole(lease: L
     messages a peer and then drop output without a word. This process (the reader) is stopped
     while the cell prints 10,000 flushed lines, one message each."""
     host, inside = lease.sandbox.workspace, lease.sandbox.workspace_inside
+    # The cell polls for the helper's file (a condition: the helper makes it once this process is stopped).
     code = (f"import os, time\nopen('{inside}/ready', 'w').close()\n"
             f"while not os.path.exists('{inside}/go'): time.sleep(0.001)\n"
             f"for i in range(10000): print(i, flush=True)\nopen('{inside}/done', 'w').close()")
