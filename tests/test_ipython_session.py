@@ -402,7 +402,8 @@ async def test_output_printed_while_the_reader_is_stopped_arrives_whole(lease: L
     messages a peer and then drop output without a word. This process (the reader) is stopped
     while the cell prints 10,000 flushed lines, one message each."""
     host, inside = lease.sandbox.workspace, lease.sandbox.workspace_inside
-    # The cell polls for the helper's file (a condition: the helper makes it once this process is stopped).
+    # The cell polls for the helper's file (a condition: the helper makes it once this process is stopped),
+    # to the cell's own deadline (timeout_s).
     code = (f"import os, time\nopen('{inside}/ready', 'w').close()\n"
             f"while not os.path.exists('{inside}/go'): time.sleep(0.001)\n"
             f"for i in range(10000): print(i, flush=True)\nopen('{inside}/done', 'w').close()")
