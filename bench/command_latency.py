@@ -11,8 +11,9 @@ interleaved with our client's cells on the same kernel (``ipython_ipc_paired_p50
 same pair for a cell that prints (``ipython_print_paired_p50_ms``, ``ipython_print_bare_p50_ms``:
 its output is one more message, sent from the kernel's IO thread or not). A second
 client on a kernel slows the first one's cells (every iopub message goes to both: measured 1.35
-against 2.15 ms with a local kernel), so the ratio compares the paired figures. Then a lease from
-the warm pool and a cold instance start. Every baseline is measured in this run: the ratios are
+against 2.15 ms with a local kernel), so the ratio compares the paired figures. Then how long a
+kernel's start holds the event loop at most (``kernel_start_loop_lag_ms``, against the same loop
+idle: ``idle_loop_lag_ms``). Then a lease from the warm pool and a cold instance start. Every baseline is measured in this run: the ratios are
 what counts. Targets: ipc p50 <= 2 ms, paired ipc <= 1.2x bare.
 """
 
@@ -37,8 +38,8 @@ import uvloop
 from jupyter_client import BlockingKernelClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (check_targets, interleaved_async, print_table, standard_args, summary_ms, time_calls,  # noqa: E402
-                    write_json)
+from common import (check_targets, interleaved_async, loop_lag, print_table, standard_args, summary_ms,  # noqa: E402
+                    time_calls, write_json)
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
@@ -149,6 +150,26 @@ async def ipython_vs_bare(kernel: KernelSession, n: int, code: str = "x = 1",
     return out
 
 
+LAG_TICK_S = 0.001
+
+
+async def kernel_start_lag(lease: Lease, starts: int) -> dict[str, float]:
+    """The longest the event loop was held while a kernel started (every rollout a worker serves
+    waits behind it), median over ``starts``, against the same loop idle for as long right after."""
+    during, idle = [], []
+    for i in range(starts):
+        kernel = KernelSession(lease.sandbox, name=f"bench-lag-{i}")
+        t0 = time.perf_counter()
+        started = asyncio.ensure_future(kernel.start())
+        during.append(max(await loop_lag(started, LAG_TICK_S), default=0.0))
+        await started
+        await kernel.close()
+        quiet = asyncio.ensure_future(asyncio.sleep(time.perf_counter() - t0))
+        idle.append(max(await loop_lag(quiet, LAG_TICK_S), default=0.0))
+    return {"kernel_start_loop_lag_ms": 1e3 * statistics.median(during),
+            "idle_loop_lag_ms": 1e3 * statistics.median(idle)}
+
+
 async def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
     n = 100 if args.quick else 400
@@ -222,6 +243,9 @@ async def main() -> int:
         print(f"client process CPU per cell: ours {results['ipython_ipc_cpu_ms_per_cell']:.3f} ms, jupyter_client "
               f"{results['ipython_bare_cpu_ms_per_cell']:.3f} ms (the rest of a cell's time is the kernel's)")
         print(f"kernel start on a lease's first cell: {results['kernel_start_ms']:.0f} ms")
+        results.update(await kernel_start_lag(lease, 3 if args.quick else 10))
+        print(f"the loop's longest stall during a kernel start: {results['kernel_start_loop_lag_ms']:.2f} ms "
+              f"(median of the starts), idle: {results['idle_loop_lag_ms']:.2f} ms (as long, right after)")
     finally:
         await lease.destroy()
 

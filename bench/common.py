@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -65,6 +66,17 @@ async def interleaved_async(fns: dict[str, Callable[[], Any]], n: int, warmup: i
             await fn()
             out[name].append(time.perf_counter() - t0)
     return out
+
+
+async def loop_lag(until: asyncio.Future[Any], tick_s: float = 0.005) -> list[float]:
+    """How late each tick of a ``tick_s`` timer fires until ``until`` is done: the time the
+    event loop was held by something else (or the process had no CPU)."""
+    lags = []
+    while not until.done():
+        t0 = time.perf_counter()
+        await asyncio.sleep(tick_s)
+        lags.append(time.perf_counter() - t0 - tick_s)
+    return lags
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

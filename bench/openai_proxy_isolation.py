@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import check_targets, percentile, print_table, standard_args, write_json  # noqa: E402
+from common import check_targets, loop_lag, percentile, print_table, standard_args, write_json  # noqa: E402
 from agent_support import reference_tokenizer  # noqa: E402
 from openai_proxy_inprocess import conversation, proxy, turn  # noqa: E402
 from rolloutd.daemon.openai_proxy.admission import longest_token_bytes  # noqa: E402
@@ -74,17 +74,6 @@ async def a_heavy(state: Path, text: str, max_context: int, repeats: int) -> tup
             outcome = "served" if answer.status_code == 200 else answer.json()["error"]["code"]
             a.session.stop_reason = None  # a refusal ends A's trajectory; the bench wants more of them
         return times, outcome
-
-
-async def loop_lag(until: asyncio.Future[Any], tick_s: float = 0.005) -> list[float]:
-    """How late each tick of a ``tick_s`` timer fires until ``until`` is done: the time the
-    event loop was held by something else (or the process had no CPU)."""
-    lags = []
-    while not until.done():
-        t0 = time.perf_counter()
-        await asyncio.sleep(tick_s)
-        lags.append(time.perf_counter() - t0 - tick_s)
-    return lags
 
 
 async def bench(quick: bool) -> dict[str, Any]:

@@ -8,7 +8,8 @@ exist costs nothing while waiting.
 
 A user may hold only 128 inotify instances by default (``fs.inotify.max_user_instances``), and
 a worker runs as the user its sandboxes run as, whose processes may hold some too; watches are
-plentiful. So the waits of one event loop share one instance, open while any wait is.
+plentiful. So the waits of one event loop share one instance, open while any wait is; it is
+closed off the loop (see ``_Instance.close``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,12 @@ class _Instance:
 
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
-        os.close(self._fd)
+        # Not on the loop: closing an instance that had watches waits for the kernel to free them
+        # (an SRCU grace period), which held the loop 3-17 ms per kernel start here.
+        try:
+            self._loop.run_in_executor(None, os.close, self._fd)
+        except RuntimeError:  # the loop's executor is shut down: the loop is ending anyway
+            os.close(self._fd)
 
     def _readable(self) -> None:
         woken: set[int] = set()
