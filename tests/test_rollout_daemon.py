@@ -15,6 +15,8 @@ from daemon_fixtures import node_daemon, scripted_policy
 from support.waits import async_poll
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
+from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.daemon.policy.model import default_model
 from rolloutd.daemon.tasks.datasets import oracle_plans
 from rolloutd.native_io.errors import Busy, Cancelled
@@ -54,6 +56,11 @@ def test_bundled_rollouts_through_the_daemon(short_tmp: Path) -> None:
                 assert sorted(seen) == sorted((t, i) for t in tasks for i in range(2))
                 st = client.status()
                 assert st["shm_segments"] == 0
+            # The workers share one task cache: each task's template was built once for the node.
+            workers = workers_dir(NodeConfig(run_dir=str(short_tmp / "n")))
+            built = sorted(p.name.rsplit("-", 1)[0] for p in (workers / "shared" / "task-cache" / "swe").iterdir())
+            assert built == sorted(tasks), built
+            assert not list(workers.glob("w*/shared")), "a worker kept a task cache of its own"
 
 
 async def test_cancel_and_busy_through_the_daemon(short_tmp: Path) -> None:

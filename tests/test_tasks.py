@@ -14,6 +14,7 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import bundled_dir, resolve_task
+from rolloutd.daemon.tasks.swe import SweTaskType
 from rolloutd.daemon.tasks.sandbox_files import read_file, write_file
 from rolloutd.native_io.errors import SandboxPathRefused, TaskError
 
@@ -57,6 +58,18 @@ async def test_template_is_prepared_once_per_task(lease: Lease, short_tmp: Path)
     stamp = template.stat().st_mtime_ns
     await swe.setup(task, lease, cache_dir=short_tmp / "cache")
     assert template.stat().st_mtime_ns == stamp
+
+
+async def test_templates_built_at_once_by_two_workers_leave_one(short_tmp: Path) -> None:
+    """A node's workers share the task cache, each with its own task type and locks: two builds of
+    one template at the same time leave one, and no staging folder."""
+    task = resolve_task("bundled", "wordwrap-001", None)
+    cache = short_tmp / "cache"
+    first, second = await asyncio.gather(SweTaskType()._template(task, cache), SweTaskType()._template(task, cache))
+    assert first == second
+    (entry,) = (cache / "swe").iterdir()
+    assert [p.name for p in entry.iterdir()] == ["repo"]
+    assert (first / ".git").is_dir() and (first / "wordwrap").is_dir()
 
 
 async def test_command_task(lease: Lease, short_tmp: Path) -> None:

@@ -70,9 +70,10 @@ class ClientListener:
 
 class Worker:
     def __init__(self, config: NodeConfig, index: int, generation: int, state_dir: Path, link_fd: int,
-                 shm_prefix: str, clients: ClientListener | None = None) -> None:
+                 shm_prefix: str, clients: ClientListener | None = None, shared_dir: Path | None = None) -> None:
         """``shm_prefix`` names this worker's shared-memory segments (the supervisor's scheme);
-        ``clients``: the socket the supervisor bound for this worker's client links, if any."""
+        ``clients``: the socket the supervisor bound for this worker's client links, if any;
+        ``shared_dir``: the node's folder its sandboxes read (``SandboxBackend.shared_dir``)."""
         self.config = config
         self.index = index
         self.generation = generation
@@ -84,7 +85,7 @@ class Worker:
         self.client_listener = clients
         self.supervisor_gone = False  # it died (its link closed, or DEATH_SIGNAL), not a stop it asked for
         self.client_links: ClientLinks | None = None
-        self.backend: SandboxBackend = make_backend(config.backend, state_dir)
+        self.backend: SandboxBackend = make_backend(config.backend, state_dir, shared_dir)
         self.default_spec = SandboxSpec(image=config.image, limits=config.sandbox_limits())
         self.pool = WarmPool(
             self.backend,
@@ -402,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generation", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True, help="the supervisor's end of a socketpair")
     p.add_argument("--state-dir", type=Path, required=True)
+    p.add_argument("--shared-dir", type=Path, help="the node's folder every sandbox reads (task templates)")
     p.add_argument("--shm-prefix", required=True, help="prefix of this worker's shared-memory segment names")
     p.add_argument("--client-fd", type=int, help="a listening Unix socket for client links (client_links.py)")
     p.add_argument("--client-path", type=Path, help="where that socket is bound (told to clients)")
@@ -414,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_fd is not None:
         clients = ClientListener(socket.socket(fileno=args.client_fd), args.client_path,
                                  {int(u) for u in args.client_uids.split(",") if u})
-    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix, clients)
+    worker = Worker(config, args.index, args.generation, args.state_dir, args.link_fd, args.shm_prefix, clients,
+                    args.shared_dir)
     t0 = time.monotonic()
     uvloop.run(worker.serve())
     log.info("worker %d stopped after %.1f s", args.index, time.monotonic() - t0)

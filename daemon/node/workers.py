@@ -94,6 +94,11 @@ class Workers:
     def state_dir(self, index: int) -> Path:
         return self.dir / f"w{index}"
 
+    @property
+    def shared_dir(self) -> Path:
+        """What every worker's sandboxes read (task templates): one per node, so each is built once."""
+        return self.dir / "shared"
+
     def shm_prefix_of(self, w: WorkerHandle) -> str:
         return f"{self.shm_prefix}w{w.index}g{w.generation}-"
 
@@ -144,8 +149,9 @@ class Workers:
             env[cgroups.CGROUP_ENV] = str(self.memory_cgroup)
         state = self.state_dir(w.index)
         await asyncio.to_thread(reap_state_dir, state)
-        state.mkdir(mode=0o700, parents=True, exist_ok=True)
-        own_folder(state, self.sandbox_user)
+        for folder in (state, self.shared_dir):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            own_folder(folder, self.sandbox_user)
         if self.sandbox_user is not None:
             # Root's home is closed to that user: tools get a home of their own, and the image
             # cache is named, not found through $HOME.
@@ -155,7 +161,7 @@ class Workers:
         clients = bind_client_listener(clients_path)
         argv = [sys.executable, "-m", "rolloutd.daemon.node.worker", "--index", str(w.index),
                 "--generation", str(w.generation), "--link-fd", str(theirs.fileno()),
-                "--state-dir", str(state), "--shm-prefix", self.shm_prefix_of(w)]
+                "--state-dir", str(state), "--shared-dir", str(self.shared_dir), "--shm-prefix", self.shm_prefix_of(w)]
         fds = [theirs.fileno()]
         if clients is not None:
             argv += ["--client-fd", str(clients.fileno()), "--client-path", str(clients_path),

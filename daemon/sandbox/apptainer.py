@@ -322,8 +322,8 @@ class ApptainerBackend(SandboxBackend):
     name = "apptainer"
     census_kind = "pidns"  # each instance has a PID namespace of its own
 
-    def __init__(self, state_dir: Path, *, start_timeout_s: float = 120.0, uncontained_root_ok: bool = False,
-                 exec_via: Literal["nsenter", "apptainer"] = "nsenter") -> None:
+    def __init__(self, state_dir: Path, *, shared_dir: Path | None = None, start_timeout_s: float = 120.0,
+                 uncontained_root_ok: bool = False, exec_via: Literal["nsenter", "apptainer"] = "nsenter") -> None:
         """``uncontained_root_ok``: as root, start sandboxes anyway, whose root is host root (for
         trusted code only, such as the tests); refused otherwise. ``exec_via``: how shells and
         kernels start inside an instance: by joining its namespaces where it can
@@ -341,7 +341,7 @@ class ApptainerBackend(SandboxBackend):
                     "start`, which runs its sandboxes as the unprivileged sandbox_user); for trusted code only, "
                     "ApptainerBackend(..., uncontained_root_ok=True)")
             log.warning("apptainer sandboxes started by root hold host root's privileges (uncontained_root_ok)")
-        super().__init__(state_dir)
+        super().__init__(state_dir, shared_dir)
         self.start_timeout_s = start_timeout_s
         self.exec_via = exec_via
         self.config_dir = state_dir / "apptainer"

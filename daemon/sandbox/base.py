@@ -283,12 +283,13 @@ class SandboxBackend(abc.ABC):
     census_kind = "session"
     """What :meth:`census` counts processes per (a key of ``procfs.CENSUSES``): session ids here."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, shared_dir: Path | None = None) -> None:
         self.state_dir = state_dir
-        self.shared_dir = state_dir / "shared"
+        self.shared_dir = shared_dir or state_dir / "shared"
         """A host folder every sandbox of this backend can read (never write): what is prepared
         once on the host, such as task templates, each sandbox copies in with its own processes,
-        so the daemon spends no CPU per file."""
+        so the daemon spends no CPU per file. A node's workers share one (``shared_dir``), so a
+        task's template is built once per node, not once per worker."""
         self.shared_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.cgroups = MemoryCgroups.discover()
         """Where sandboxes get a memory cgroup each; None: the watchdog reads /proc instead."""

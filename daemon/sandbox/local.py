@@ -120,8 +120,8 @@ class LocalSandbox(Sandbox):
 class LocalBackend(SandboxBackend):
     name = "local"
 
-    def __init__(self, state_dir: Path) -> None:
-        super().__init__(state_dir)
+    def __init__(self, state_dir: Path, *, shared_dir: Path | None = None) -> None:
+        super().__init__(state_dir, shared_dir)
         self.scan = SharedScan()
 
     def create(self, spec: SandboxSpec) -> LocalSandbox:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -120,10 +122,7 @@ class SweTaskType(TaskType):
         folder = cache_dir / "swe" / f"{task.instance_id}-{key}" / REPO_FOLDER
         async with self._template_locks.setdefault(str(folder), asyncio.Lock()):
             if not folder.exists():
-                staging = folder.with_name(REPO_FOLDER + ".partial")
-                await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
-                await asyncio.to_thread(_build_template, task.record, staging)
-                staging.rename(folder)
+                await asyncio.to_thread(_build_template_once, task.record, folder)
         return folder
 
     async def setup(self, task: Task, lease: "Lease", *, cache_dir: Path) -> str:
@@ -204,6 +203,22 @@ def _outcomes(raw: bytes | None, task: Task, output: str) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as e:
         raise TaskError(f"task {task.instance_id}: the test report is not the plugin's JSON: {e}") from e
     return {_canonical(str(k)): str(v) for k, v in outcomes.items()}
+
+
+def _build_template_once(record: dict[str, Any], folder: Path) -> None:
+    """Build into a staging folder of this build's own, then move it to ``folder``. The node's
+    other workers share the cache and may build the same template at the same time: the first
+    move wins, and the later build's copy is dropped (a move onto a folder with files fails)."""
+    staging = folder.with_name(f"{REPO_FOLDER}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _build_template(record, staging)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build_template(record: dict[str, Any], folder: Path) -> None:
