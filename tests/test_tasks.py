@@ -14,7 +14,7 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import Lease, open_lease
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import bundled_dir, resolve_task
-from rolloutd.daemon.tasks.swe import SweTaskType
+from rolloutd.daemon.tasks.swe import SweTaskType, _tree_files
 from rolloutd.daemon.tasks.sandbox_files import read_file, write_file
 from rolloutd.native_io.errors import SandboxPathRefused, TaskError
 
@@ -229,6 +229,28 @@ async def test_two_records_with_one_id_never_share_a_cached_repository(lease: Le
     (repo / "m.py").write_text("X = 4\n")
     assert await seen(record(repo_dir=str(repo))) == "X = 4"
     assert len(list((cache / "swe").glob("same-id-*/repo"))) == 4
+
+
+def test_a_repo_dirs_key_follows_its_files_not_its_caches(short_tmp: Path) -> None:
+    """What a repo_dir task's cache key is read from, at every set-up: its files in path order
+    (pathlib's, folder by folder), links to files, not folders behind links, not Python's caches."""
+    repo, outside = short_tmp / "repo", short_tmp / "outside"
+    (repo / "pkg" / "__pycache__").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "big.txt").write_text("x")
+    (repo / "pkg" / "a.py").write_text("A = 1\n")
+    (repo / "pkg-b.py").write_text("")
+    (repo / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"x")
+    (repo / "stale.pyc").write_bytes(b"x")
+    (repo / "linked-folder").symlink_to(outside)
+    (repo / "linked.py").symlink_to(repo / "pkg" / "a.py")
+    assert [rel for rel, _ in _tree_files(repo)] == ["linked.py", "pkg/a.py", "pkg-b.py"]
+    swe = SweTaskType()
+    before = swe._tree_hash(repo)
+    (repo / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"yy")
+    assert swe._tree_hash(repo) == before
+    (repo / "pkg" / "a.py").write_text("A = 20\n")  # another size: a same-size edit may keep a coarse mtime
+    assert swe._tree_hash(repo) != before
 
 
 async def test_links_a_sandbox_plants_are_not_followed_on_the_host(lease: Lease, short_tmp: Path) -> None:

@@ -75,16 +75,13 @@ class SweTaskType(TaskType):
         return hashlib.sha256(blob).hexdigest()[:20]
 
     def _tree_hash(self, root: Path) -> str:
-        paths = sorted(p for p in root.rglob("*") if p.is_file() and not IGNORED_PARTS.intersection(p.parts)
-                       and p.suffix != ".pyc")
-        stats = tuple((p.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, st.st_mode)
-                      for p in paths for st in (p.lstat(),))
+        stats = tuple((rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, st in _tree_files(root))
         cached = self._tree_hashes.get((str(root), stats))
         if cached is None:
             digest = hashlib.sha256()
-            for p, (rel, _, _, mode) in zip(paths, stats):
+            for rel, _, _, mode in stats:
                 digest.update(f"{rel}\0{mode}\0".encode())
-                digest.update(hashlib.sha256(p.read_bytes()).digest())
+                digest.update(hashlib.sha256((root / rel).read_bytes()).digest())
             if len(self._tree_hashes) > 1000:  # folders edited again and again: forget the old versions
                 self._tree_hashes.clear()
             cached = self._tree_hashes[(str(root), stats)] = digest.hexdigest()
@@ -203,6 +200,31 @@ def _outcomes(raw: bytes | None, task: Task, output: str) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as e:
         raise TaskError(f"task {task.instance_id}: the test report is not the plugin's JSON: {e}") from e
     return {_canonical(str(k)): str(v) for k, v in outcomes.items()}
+
+
+def _tree_files(root: Path) -> list[tuple[str, os.stat_result]]:
+    """The files that define a repository folder, as (path under ``root``, its lstat), in path
+    order: links to files count, folders behind links are not entered, caches are left out. Read
+    at every set-up of a ``repo_dir`` task, so with os.scandir: pathlib's rglob and two stats a
+    file took 174 ms for a 5,903-file folder."""
+    found = []
+    folders = [""]
+    while folders:
+        folder = folders.pop()
+        try:
+            entries = list(os.scandir(root / folder))
+        except PermissionError:  # as rglob: a folder it cannot list holds nothing
+            continue
+        for entry in entries:
+            if entry.name in IGNORED_PARTS:
+                continue
+            rel = f"{folder}/{entry.name}" if folder else entry.name
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(rel)
+            elif entry.is_file() and os.path.splitext(entry.name)[1] != ".pyc":
+                found.append((rel, entry.stat(follow_symlinks=False)))
+    found.sort(key=lambda item: item[0].split("/"))
+    return found
 
 
 def _build_template_once(record: dict[str, Any], folder: Path) -> None:
