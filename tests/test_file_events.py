@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.waits import async_wait_until
 
 from rolloutd.native_io.file_events import NamesAppear
 
@@ -60,9 +61,7 @@ CLOSE_S = 5.0
 
 async def _closed_to(count: int) -> None:
     """Until this process holds ``count`` inotify instances (the close runs in a thread)."""
-    async with asyncio.timeout(CLOSE_S):
-        while _inotify_instances() != count:
-            await asyncio.sleep(0.01)  # a poll of the fd table: nothing signals a thread's close
+    await async_wait_until(lambda: _inotify_instances() == count, CLOSE_S, f"{count} inotify instances left")
 
 
 async def test_the_waits_of_a_loop_share_one_instance_closed_after_the_last(tmp_path: Path) -> None:

@@ -381,20 +381,24 @@ async def test_output_across_timed_flushes_arrives_whole_and_in_order(lease: Lea
     assert not [r.message for r in caplog.records if "dropping a kernel message" in r.message]
 
 
+STOPPED_AT_MOST_S = 60.0
+"""How long the stopped-reader test's cell, and this process's stop, may last on a loaded node."""
+
 _STOPPED_WHILE_THE_CELL_PRINTS = """
 import os, signal, sys, time
-pid, go, done = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pid, go, done, limit_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 os.kill(pid, signal.SIGSTOP)
 try:
     open(go, "w").close()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(done) and time.monotonic() < deadline:  # a condition, polled to a deadline
-        time.sleep(0.01)
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.01)  # a poll of the cell's file, to the deadline: the stopped test cannot signal
 finally:
     os.kill(pid, signal.SIGCONT)
 """
 """Stops the process given (this test's) while the cell prints, and lets it go on once the cell
-has printed all (or after 60 s: the test then fails on what it lost, never stays stopped)."""
+has printed all (or after ``STOPPED_AT_MOST_S``: the test then fails on what it lost, never stays
+stopped)."""
 
 
 async def test_output_printed_while_the_reader_is_stopped_arrives_whole(lease: Lease) -> None:
@@ -405,14 +409,15 @@ async def test_output_printed_while_the_reader_is_stopped_arrives_whole(lease: L
     # The cell polls for the helper's file (a condition: the helper makes it once this process is stopped),
     # to the cell's own deadline (timeout_s).
     code = (f"import os, time\nopen('{inside}/ready', 'w').close()\n"
-            f"while not os.path.exists('{inside}/go'): time.sleep(0.001)\n"
+            f"while not os.path.exists('{inside}/go'): time.sleep(0.001)  # polled to the cell's timeout\n"
             f"for i in range(10000): print(i, flush=True)\nopen('{inside}/done', 'w').close()")
-    cell = asyncio.ensure_future(lease.ipython(code, timeout_s=60))
+    cell = asyncio.ensure_future(lease.ipython(code, timeout_s=STOPPED_AT_MOST_S))
     await async_wait_until(lambda: (host / "ready").exists() or cell.done(), KERNEL_SPAWN_S + 10, "the cell's start")
     if cell.done():  # failed before it printed: nothing to stop this process for
         cell.result()
     stopper = await asyncio.create_subprocess_exec(sys.executable, "-c", _STOPPED_WHILE_THE_CELL_PRINTS,
-                                                   str(os.getpid()), str(host / "go"), str(host / "done"))
+                                                   str(os.getpid()), str(host / "go"), str(host / "done"),
+                                                   str(STOPPED_AT_MOST_S))
     r = await cell
     assert await stopper.wait() == 0
     assert r.stdout == "".join(f"{k}\n" for k in range(10000)), (r.truncated, len(r.stdout.splitlines()))
