@@ -185,6 +185,20 @@ async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend)
         await pool.close()
 
 
+async def test_the_watchdog_reports_the_cpu_its_checks_take(backend: SandboxBackend) -> None:
+    pool = WarmPool(backend, warm_specs={}, watchdog_interval_s=0.05)
+    t0 = time.monotonic()
+    await pool.start()
+    try:
+        await pool.lease(SandboxSpec(ipython=False))
+        await async_wait_until(lambda: pool.counters["watchdog_cpu_s"] > 0, WAIT_S, "a watchdog round timed")
+        # Its own thread's time over the rounds, not the process's: less than their wall time.
+        assert pool.counters["watchdog_cpu_s"] < time.monotonic() - t0
+        assert pool.stats()["watchdog_cpu_s"] == pool.counters["watchdog_cpu_s"]
+    finally:
+        await pool.close()
+
+
 async def test_a_full_disk_is_a_clear_error_before_a_sandbox_starts(short_tmp: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")

@@ -19,14 +19,18 @@ Everything here reads files: it runs in a thread, never on the loop.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from rolloutd.native_io.procfs import rss_census
 
 from .base import Sandbox
 
+T = TypeVar("T")
 MiB = 2**20
 FULL_BYTES = 64 * 1024
 """A capped workspace with less room than this is full: writes past it fail."""
@@ -75,6 +79,13 @@ def find_breaches(sandboxes: list[Sandbox], census: Counter[int], census_kind: s
                 found[sb.id] = Breach("workspace_mb", f"its files took {used // MiB} MiB of disk, over its cap of "
                                                       f"{lim.workspace_mb} MiB (workspace_mb)")
     return found
+
+
+def with_thread_cpu(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
+    """``fn``'s answer and the CPU seconds this thread spent on it: a check run through
+    ``asyncio.to_thread`` is timed in the thread it runs in, which nothing else uses meanwhile."""
+    t0 = time.thread_time()
+    return fn(*args, **kwargs), time.thread_time() - t0
 
 
 def _reads_proc_memory(sb: Sandbox) -> bool:

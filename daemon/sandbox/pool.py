@@ -33,7 +33,7 @@ from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellCo
 
 from ..sessions.ipython import ExecuteResult, KernelSession
 from .base import Sandbox, SandboxBackend, SandboxSpec
-from .caps import find_breaches
+from .caps import find_breaches, with_thread_cpu
 from .start_gate import StartGate, StartGateConfig
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class WarmPool:
         self._closing = False
         self.counters = {"started": 0, "start_failures": 0, "cold_starts": 0, "leases": 0,
                          "recycled_old": 0, "watchdog_kills": 0, "destroyed": 0, "own_censuses": 0,
-                         "given_censuses": 0, "start_wait_s": 0.0}
+                         "given_censuses": 0, "start_wait_s": 0.0, "watchdog_cpu_s": 0.0}
         self._given_census = GivenCensus(max_age_s=3 * watchdog_interval_s)
         self.last_start_error: str | None = None
 
@@ -410,12 +410,14 @@ class WarmPool:
             census = self._given_census.fresh() if needs_census(leases) else Counter()
             if census is None:
                 self.counters["own_censuses"] += 1
-                census = await asyncio.to_thread(self.backend.census)
+                census, cpu_s = await asyncio.to_thread(with_thread_cpu, self.backend.census)
+                self.counters["watchdog_cpu_s"] += cpu_s
             check_disk = time.monotonic() >= next_disk_check
             if check_disk:
                 next_disk_check = time.monotonic() + self.disk_check_interval_s
-            breaches = await asyncio.to_thread(find_breaches, [l.sandbox for l in leases], census,
-                                               self.backend.census_kind, check_disk=check_disk)
+            breaches, cpu_s = await asyncio.to_thread(with_thread_cpu, find_breaches, [l.sandbox for l in leases],
+                                                      census, self.backend.census_kind, check_disk=check_disk)
+            self.counters["watchdog_cpu_s"] += cpu_s
             for lease in leases:
                 breach = breaches.get(lease.id)
                 if breach is None:
