@@ -4,13 +4,16 @@ Apptainer sandboxes) at 1, 8 and 32 rollouts in flight, and the daemon's CPU per
 Daemon CPU is the user+system time of the supervisor and worker processes (sandbox processes,
 the policy server and the client excluded) over the run, divided by the agent turns taken. The
 agent's own bookkeeping per turn (token ledger, tool-call parsing) is reported from the
-trajectories' metrics.
+trajectories' metrics, and the part the sandbox watchdogs' checks took from the workers' stats: a
+watchdog checks every sandbox a worker holds once a second, so a turn pays more for it the longer
+rollouts wait.
 
 The bundled tasks end in about 5 turns, so each turn carries a fifth of the per-rollout cost
 (sandbox, set-up, eval). A last level, on a fresh daemon, puts ``PROBE_TURNS`` exploring tool calls
 (shell, IPython, editor) before each task's solve, nearer the length of real SWE rollouts, to
 show what a turn costs once those are spread over more turns. The target is judged on the
-bundled tasks as they are.
+bundled tasks as they are. ``--also-in-flight 256`` adds a level of 256, to show whether a turn's
+CPU grows with the rollouts a node holds.
 
 Last, ``cpu_floor`` measures in this process what the cheapest possible turn of the 32 level costs
 with the same components (sandbox life, inference call, shell command, observation encoding),
@@ -54,6 +57,12 @@ def daemon_cpu_s(client: RolloutClient) -> float:
     return total
 
 
+def watchdog_cpu_s(client: RolloutClient) -> float:
+    """CPU the workers' sandbox watchdogs spent on their checks, as the workers last reported it
+    (once a second)."""
+    return sum(w.get("pool", {}).get("watchdog_cpu_s", 0.0) for w in client.status()["workers"])
+
+
 PROBE_TURNS = 30
 _PROBES = [
     ("Look at the repository.", "bash", {"command": "git status --short && ls"}),
@@ -74,7 +83,7 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
               agent_config: dict[str, int]) -> dict[str, float]:
     requests = [RolloutRequest(task_id=tasks[i % len(tasks)], sampling={"max_tokens": 1024, "seed": i},
                                agent_config=agent_config) for i in range(total)]
-    cpu0, t0 = daemon_cpu_s(client), time.monotonic()
+    cpu0, watchdog0, t0 = daemon_cpu_s(client), watchdog_cpu_s(client), time.monotonic()
     pending = set(client.submit(requests[:in_flight]))
     submitted, turns, agent_cpu, rewards, model_tokens = in_flight, 0, [], [], 0
     waits = {"tool_s": 0.0, "generate_s": 0.0}
@@ -103,8 +112,9 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 pending |= set(client.submit([requests[submitted]]))
                 submitted += 1
             break
-    wall, cpu = time.monotonic() - t0, daemon_cpu_s(client) - cpu0
+    wall, cpu, watchdog = time.monotonic() - t0, daemon_cpu_s(client) - cpu0, watchdog_cpu_s(client) - watchdog0
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
+            "watchdog_ms_per_turn": 1e3 * watchdog / turns,
             "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),
             "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids,
             "tool_ms_per_turn": 1e3 * waits["tool_s"] / turns, "generate_ms_per_turn": 1e3 * waits["generate_s"] / turns,
@@ -141,8 +151,12 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
 def main() -> int:
     parser = standard_args(__doc__.splitlines()[0])
     parser.add_argument("--plot", type=Path, help="write a PNG of CPU per turn, latency per turn and rollouts/s vs in flight")
+    parser.add_argument("--also-in-flight", type=int, action="append", default=[], metavar="N",
+                        help="one more level after the others: N rollouts, all in flight at once (e.g. 256; that many "
+                             "Apptainer instances take about two minutes on 2 cores)")
     args = parser.parse_args()
     levels = {1: 3, 8: 8, 32: 32} if args.quick else {1: 6, 8: 24, 32: 64}
+    levels.update({n: n for n in args.also_in_flight})
     plans = oracle_plans()
     results: dict[str, float] = {}
     rows = []
@@ -154,9 +168,10 @@ def main() -> int:
         floor = floor or measured_floor
         for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
-                         r["turns"], r["daemon_cpu_ms_per_turn"], r["agent_cpu_ms_per_turn"], r["tool_ms_per_turn"],
+                         r["turns"], r["daemon_cpu_ms_per_turn"], r["watchdog_ms_per_turn"], r["agent_cpu_ms_per_turn"],
+                         r["tool_ms_per_turn"],
                          r["generate_ms_per_turn"], r["rollout_s_p50"], r["mean_reward"]])
-            for key in ("tool_ms_per_turn", "generate_ms_per_turn", "rollout_s_p50"):
+            for key in ("tool_ms_per_turn", "generate_ms_per_turn", "rollout_s_p50", "watchdog_ms_per_turn"):
                 results[f"{key}_{in_flight}{suffix}"] = r[key]
             if not suffix:
                 curves.append(r | {"in_flight": in_flight})
@@ -167,7 +182,7 @@ def main() -> int:
     results["daemon_cpu_ms_per_turn"] = results["daemon_cpu_ms_per_turn_32"]
     print_table("Bundled tasks end to end (scripted reference policy, Apptainer sandboxes)",
                 ["in flight", "rollouts", "rollouts/s", "wall s", "agent turns", "daemon CPU ms/turn",
-                 "agent loop CPU ms/turn", "tool ms/turn", "model ms/turn", "rollout s p50", "mean reward"], rows)
+                 "of it watchdog", "agent loop CPU ms/turn", "tool ms/turn", "model ms/turn", "rollout s p50", "mean reward"], rows)
     assert floor is not None
     parts, life_ms = floor
     results.update({f"floor_{k}_ms": v for k, v in parts.items()}, floor_sandbox_life_ms=life_ms,
@@ -193,7 +208,8 @@ def plot(curves: list[dict[str, Any]], floor_ms: float, path: Path) -> None:
     plot_panels(path, "Bundled tasks end to end, one node, Apptainer sandboxes, 2 cores", [
         Panel("rollouts in flight", "daemon CPU per turn (ms)",
               {"measured": (n, [c["daemon_cpu_ms_per_turn"] for c in curves]),
-               "floor (at 32, cpu_floor.py)": ([max(n)], [floor_ms])}, log_x=True),
+               "of it the sandbox watchdog": (n, [c["watchdog_ms_per_turn"] for c in curves]),
+               "floor (at 32, cpu_floor.py)": ([32], [floor_ms])}, log_x=True),
         Panel("rollouts in flight", "wall time per turn (ms)",
               {"tool call": (n, [c["tool_ms_per_turn"] for c in curves]),
                "model call": (n, [c["generate_ms_per_turn"] for c in curves])}, log_x=True),
