@@ -169,8 +169,7 @@ def main() -> int:
         for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
                          r["turns"], r["daemon_cpu_ms_per_turn"], r["watchdog_ms_per_turn"], r["agent_cpu_ms_per_turn"],
-                         r["tool_ms_per_turn"],
-                         r["generate_ms_per_turn"], r["rollout_s_p50"], r["mean_reward"]])
+                         r["tool_ms_per_turn"], r["generate_ms_per_turn"], r["rollout_s_p50"], r["mean_reward"]])
             for key in ("tool_ms_per_turn", "generate_ms_per_turn", "rollout_s_p50", "watchdog_ms_per_turn"):
                 results[f"{key}_{in_flight}{suffix}"] = r[key]
             if not suffix:
