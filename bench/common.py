@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 
 def percentile(samples: Sequence[float], q: float) -> float:
     data = sorted(samples)
@@ -77,6 +79,16 @@ async def loop_lag(until: asyncio.Future[Any], tick_s: float = 0.005) -> list[fl
         await asyncio.sleep(tick_s)
         lags.append(time.perf_counter() - t0 - tick_s)
     return lags
+
+
+def daemon_cpu_s(status: dict[str, Any]) -> float:
+    """User and system CPU seconds of a node daemon's supervisor and workers (not their sandboxes),
+    from its ``status``."""
+    total = 0.0
+    for pid in [status["pid"], *(w["pid"] for w in status["workers"])]:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

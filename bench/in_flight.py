@@ -42,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import Panel, check_targets, plot_panels, print_table, standard_args, write_json  # noqa: E402
+from common import Panel, check_targets, daemon_cpu_s, plot_panels, print_table, standard_args, write_json  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import AsyncRolloutClient, RolloutRequest  # noqa: E402
@@ -158,14 +158,6 @@ def held_on_host(barrier_inside: str) -> int:
 def run_stage_in_use(status: dict[str, Any]) -> int:
     return sum(int(w.get("pipeline", {}).get("stages", {}).get("run", {}).get("in_use", 0))
                for w in status["workers"])
-
-
-def daemon_cpu_s(status: dict[str, Any]) -> float:
-    total = 0.0
-    for pid in [status["pid"], *(w["pid"] for w in status["workers"])]:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:

@@ -32,12 +32,11 @@ from typing import Any
 from pathlib import Path
 
 import numpy as np
-import psutil
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import Panel, check_targets, plot_panels, print_table, standard_args, write_json  # noqa: E402
+from common import Panel, check_targets, daemon_cpu_s, plot_panels, print_table, standard_args, write_json  # noqa: E402
 from agent_support import mask_runs  # noqa: E402
 from cpu_floor import measure_floor  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
@@ -48,19 +47,11 @@ from rolloutd.cli.demo import policy_server  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 
 
-def daemon_cpu_s(client: RolloutClient) -> float:
-    st = client.status()
-    total = 0.0
-    for pid in [st["pid"], *(w["pid"] for w in st["workers"])]:
-        t = psutil.Process(pid).cpu_times()
-        total += t.user + t.system
-    return total
-
-
-def watchdog_cpu_s(client: RolloutClient) -> float:
-    """CPU the workers' sandbox watchdogs spent on their checks, as the workers last reported it
-    (once a second)."""
-    return sum(w.get("pool", {}).get("watchdog_cpu_s", 0.0) for w in client.status()["workers"])
+def cpu_s(client: RolloutClient) -> tuple[float, float]:
+    """The daemon's CPU seconds (``daemon_cpu_s``), and of them what the workers' sandbox watchdogs
+    spent on their checks, as the workers last reported it (once a second)."""
+    status = client.status()
+    return daemon_cpu_s(status), sum(w.get("pool", {}).get("watchdog_cpu_s", 0.0) for w in status["workers"])
 
 
 PROBE_TURNS = 30
@@ -83,7 +74,7 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
               agent_config: dict[str, int]) -> dict[str, float]:
     requests = [RolloutRequest(task_id=tasks[i % len(tasks)], sampling={"max_tokens": 1024, "seed": i},
                                agent_config=agent_config) for i in range(total)]
-    cpu0, watchdog0, t0 = daemon_cpu_s(client), watchdog_cpu_s(client), time.monotonic()
+    (cpu0, watchdog0), t0 = cpu_s(client), time.monotonic()
     pending = set(client.submit(requests[:in_flight]))
     submitted, turns, agent_cpu, rewards, model_tokens = in_flight, 0, [], [], 0
     waits = {"tool_s": 0.0, "generate_s": 0.0}
@@ -112,7 +103,8 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 pending |= set(client.submit([requests[submitted]]))
                 submitted += 1
             break
-    wall, cpu, watchdog = time.monotonic() - t0, daemon_cpu_s(client) - cpu0, watchdog_cpu_s(client) - watchdog0
+    wall, (cpu1, watchdog1) = time.monotonic() - t0, cpu_s(client)
+    cpu, watchdog = cpu1 - cpu0, watchdog1 - watchdog0
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
             "watchdog_ms_per_turn": 1e3 * watchdog / turns,
             "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),

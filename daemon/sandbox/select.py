@@ -20,9 +20,8 @@ def make_backend(name: str, state_dir: Path, shared_dir: Path | None = None) -> 
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if name == "apptainer" or (name == "auto" and apptainer_available()):
         return ApptainerBackend(state_dir, shared_dir=shared_dir)
+    if name not in ("auto", "local"):
+        raise ConfigError(f"unknown sandbox backend {name!r}; use 'apptainer', 'local' or 'auto'")
     if name == "auto":
         log.warning("apptainer is not installed: using the 'local' sandbox backend, which isolates nothing")
-        return LocalBackend(state_dir, shared_dir=shared_dir)
-    if name == "local":
-        return LocalBackend(state_dir, shared_dir=shared_dir)
-    raise ConfigError(f"unknown sandbox backend {name!r}; use 'apptainer', 'local' or 'auto'")
+    return LocalBackend(state_dir, shared_dir=shared_dir)
