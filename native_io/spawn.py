@@ -19,10 +19,17 @@ import signal
 import struct
 import subprocess
 import termios
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 DEVNULL = subprocess.DEVNULL
+DEFAULTED_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+"""What a child starts with at its default action even where this process ignores it. A process
+started in the background by a script (``cmd &``) ignores SIGINT and SIGQUIT, one under ``nohup``
+SIGHUP, and an ignored signal stays ignored across exec: a shell's foreground command would then
+shrug off the ^C that interrupts it (PtySession), and a sandbox's programs would inherit the
+daemon's launch."""
 
 
 class Child:
@@ -86,10 +93,35 @@ class Child:
 async def spawn(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
                 stdin: int | IO[Any] | None = DEVNULL, stdout: int | IO[Any] | None = None,
                 stderr: int | IO[Any] | None = None, start_new_session: bool = False) -> Child:
-    """Start ``argv`` (OSError if it cannot be executed)."""
-    popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
-                             start_new_session=start_new_session, close_fds=True)
+    """Start ``argv`` (OSError if it cannot be executed), with :data:`DEFAULTED_SIGNALS` at their
+    default action."""
+    with _ignored_signals_caught():
+        popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+                                 start_new_session=start_new_session, close_fds=True)
     return Child(popen)
+
+
+@contextlib.contextmanager
+def _ignored_signals_caught() -> Iterator[None]:
+    """Those of :data:`DEFAULTED_SIGNALS` this process ignores are caught, by a handler that does
+    nothing, while a child starts: exec resets a caught signal to its default action, but keeps an
+    ignored one ignored (and a preexec_fn, which could reset it in the child, would cost a fork).
+    Only the main thread may set handlers; elsewhere the child inherits what this process has."""
+    ignored = [s for s in DEFAULTED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    if not ignored or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    for sig in ignored:
+        signal.signal(sig, _dropped)
+    try:
+        yield
+    finally:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _dropped(_signum: int, _frame: Any) -> None:
+    """Stands in for SIG_IGN while a child starts."""
 
 
 async def spawn_pty(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,

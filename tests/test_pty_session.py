@@ -115,6 +115,30 @@ async def test_timeout_interrupts_and_shell_survives(lease: Lease) -> None:
     assert (await lease.run('echo "$KEEP"')).output == "1\n"
 
 
+async def test_shells_get_default_signals_where_the_daemon_ignores_them(backend: SandboxBackend) -> None:
+    # A daemon (or test run) started in the background by a script ignores SIGINT and SIGQUIT,
+    # under nohup SIGHUP: its shells must not inherit that, or the ^C of a timed-out command
+    # would not stop it and every time-out would cost the shell.
+    spec = SandboxSpec(ipython=False, limits=SandboxLimits(max_output_bytes=4096))
+    ignored = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+    before = [signal.signal(sig, signal.SIG_IGN) for sig in ignored]
+    try:
+        lease = await open_lease(backend.create(spec))
+    finally:
+        for sig, handler in zip(ignored, before):
+            signal.signal(sig, handler)
+    try:
+        mask = int((await lease.run("sed -n 's/^SigIgn:\\t//p' /proc/self/status")).output, 16)
+        assert mask & sum(1 << (sig - 1) for sig in ignored) == 0, f"SigIgn {mask:#x}"
+        await lease.run("export KEEP=1")
+        with pytest.raises(CommandTimeout) as e:
+            await lease.run("sleep 20", timeout_s=0.5)
+        assert e.value.details["shell_restarted"] is False
+        assert (await lease.run('echo "$KEEP"')).output == "1\n"
+    finally:
+        await lease.destroy()
+
+
 async def test_timeout_ignoring_sigint_respawns_shell(lease: Lease) -> None:
     await lease.run("export KEEP=1")
     with pytest.raises(CommandTimeout) as e:

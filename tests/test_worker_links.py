@@ -144,7 +144,9 @@ def test_the_blocking_client_cancels_a_command_it_gives_up_on(short_tmp: Path) -
 @contextmanager
 def interrupt_after(seconds: float) -> Iterator[None]:
     """A ^C (SIGINT to this process: KeyboardInterrupt in the main thread) ``seconds`` from now.
-    Not SIGALRM: pytest-timeout's own timer is the interval timer."""
+    Not SIGALRM: pytest-timeout's own timer is the interval timer. Python's own handler for the
+    while: a test run started in the background by a script ignores SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -152,6 +154,7 @@ def interrupt_after(seconds: float) -> Iterator[None]:
     finally:
         timer.cancel()
         timer.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_interrupted_blocking_command_is_cancelled(short_tmp: Path) -> None:
