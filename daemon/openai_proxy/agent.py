@@ -46,6 +46,7 @@ from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.native_io.errors import AgentError, ConfigError
 from rolloutd.native_io.host_files import read_tail
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
+from rolloutd.native_io.spawn import Child, spawn
 
 from . import sandbox_forwarder
 from .history import KEEP_MODES
@@ -158,13 +159,13 @@ class BlackBoxAgent(Agent):
             launch = launch.replace("exec", f"exec {forwarder}", 1)
         await server.start()
         t0 = time.monotonic()
-        proc: asyncio.subprocess.Process | None = None
+        proc: Child | None = None
         timed_out = False
         try:
             with open(folder / "harness.log", "wb") as log_file:
-                proc = await asyncio.create_subprocess_exec(
-                    *sb.exec_argv(["bash", "-c", f"{sb.limits_prelude()}; {launch}"], cwd=ctx.workdir, env=env),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True)
+                # Not asyncio's subprocesses: uvloop forks the worker for them (spawn.py says what that costs).
+                proc = await spawn(sb.exec_argv(["bash", "-c", f"{sb.limits_prelude()}; {launch}"], cwd=ctx.workdir,
+                                                env=env), stdout=log_file, stderr=log_file, start_new_session=True)
             sb.session_ids.add(proc.pid)
             timed_out = not await self._wait(proc, session, ctx)
         finally:
@@ -184,7 +185,7 @@ class BlackBoxAgent(Agent):
         return session.outcome(finish, keep=cfg.keep_segments, metrics={
             "harness_exit_code": rc, "harness_s": time.monotonic() - t0, "harness_output_tail": harness_tail})
 
-    async def _wait(self, proc: asyncio.subprocess.Process, session: ProxySession,
+    async def _wait(self, proc: Child, session: ProxySession,
                     ctx: SandboxAgentContext) -> bool:
         """Until the harness exits (True), or passes its time limit (False). Once the proxy has
         ended the trajectory, the harness gets ``exit_grace_s`` more."""
@@ -205,9 +206,11 @@ class BlackBoxAgent(Agent):
             await asyncio.gather(exited, ended, return_exceptions=True)
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
+async def _stop(proc: Child) -> None:
     """SIGTERM to the harness's process group, then SIGKILL; the group is always killed at the
-    end so nothing the harness left in the background outlives the trajectory."""
+    end so nothing the harness left in the background outlives the trajectory. Not
+    ``pty_session.stop_group``: its SIGHUP would end the loopback forwarder before it reaps the
+    harness it passes the SIGTERM on to."""
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
