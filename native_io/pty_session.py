@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 from .errors import CommandTimeout, SessionError
 from .host_files import create, open_folder
 from .output import OutputCollector, tail
-from .spawn import Child, spawn_pty
+from .spawn import Child, spawn_pty, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,6 @@ _SENTINEL_RE = re.compile(rb"\x1eRLD([0-9a-f]{16}):(-?\d+)\x1e\n")
 # Longest tail that can still be the start of a sentinel: \x1eRLD + 16 hex + : + rc + \x1e\n
 _SENTINEL_HOLD = 4 + 16 + 1 + 12 + 2
 _COMMAND_FILE = "cmd.sh"
-KILLED_EXIT_TIMEOUT_S = 5.0
-"""After SIGKILL, how long the shell may take to be reaped."""
 
 
 @dataclass(frozen=True)
@@ -396,26 +393,6 @@ class PtySession:
         self._detach()
         self.restarts += 1
         await self.start()
-
-
-async def stop_group(proc: Child, exited: asyncio.Future[int], term_grace_s: float) -> str:
-    """SIGTERM and SIGHUP to the group, SIGKILL after ``term_grace_s``; the rung reached
-    (``exited`` when it had already ended). Background jobs may hold the group after the leader
-    died: the group always gets a last SIGKILL."""
-    rung = "exited"
-    if not exited.done():
-        rung = "sigterm"
-        proc.signal_group(signal.SIGTERM)
-        proc.signal_group(signal.SIGHUP)
-        try:
-            await asyncio.wait_for(asyncio.shield(exited), term_grace_s)
-        except TimeoutError:
-            rung = "sigkill"
-            proc.signal_group(signal.SIGKILL)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(exited), KILLED_EXIT_TIMEOUT_S)
-    proc.signal_group(signal.SIGKILL)
-    return rung
 
 
 class _Expired(Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import select
 import signal
@@ -23,7 +24,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+log = logging.getLogger(__name__)
+
 DEVNULL = subprocess.DEVNULL
+KILLED_EXIT_TIMEOUT_S = 5.0
+"""After SIGKILL, how long a stopped process may take to be reaped."""
 DEFAULTED_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 """What a child starts with at its default action even where this process ignores it. A process
 started in the background by a script (``cmd &``) ignores SIGINT and SIGQUIT, one under ``nohup``
@@ -148,6 +153,29 @@ async def spawn_pty(argv: list[str], *, env: dict[str, str] | None = None, cwd: 
     finally:
         os.close(terminal)
     return child, controller
+
+
+async def stop_group(proc: Child, exited: asyncio.Future[int], term_grace_s: float, *,
+                     term_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> str:
+    """``term_signals`` to the child's group, SIGKILL after ``term_grace_s``; the rung reached
+    (``exited`` when it had already ended). Background jobs may hold the group after the leader
+    died: the group always gets a last SIGKILL."""
+    rung = "exited"
+    if not exited.done():
+        rung = "sigterm"
+        for sig in term_signals:
+            proc.signal_group(sig)
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), term_grace_s)
+        except TimeoutError:
+            rung = "sigkill"
+            proc.signal_group(signal.SIGKILL)
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), KILLED_EXIT_TIMEOUT_S)
+            except TimeoutError:
+                log.error("process %d was not reaped within %.0f s of SIGKILL", proc.pid, KILLED_EXIT_TIMEOUT_S)
+    proc.signal_group(signal.SIGKILL)
+    return rung
 
 
 class ProcessHandle:

@@ -29,9 +29,6 @@ group, then SIGKILL). The trajectory's arrays are described in ``openai_proxy.hi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import os
 import secrets
 import shlex
 import shutil
@@ -46,7 +43,7 @@ from rolloutd.daemon.agents.context import SandboxAgentContext
 from rolloutd.native_io.errors import AgentError, ConfigError
 from rolloutd.native_io.host_files import read_tail
 from rolloutd.native_io.output import LOG_TAIL_CHARS, tail
-from rolloutd.native_io.spawn import Child, spawn
+from rolloutd.native_io.spawn import Child, spawn, stop_group
 
 from . import sandbox_forwarder
 from .history import KEEP_MODES
@@ -54,9 +51,8 @@ from .protocol import UNAPPLIED_MODES
 from .server import OpenAIProxyServer
 from .session import ProxyLimits, ProxySession
 
-log = logging.getLogger(__name__)
-
 STOP_GRACE_S = 2.0
+"""After SIGTERM to the harness's process group, how long it has before SIGKILL."""
 
 
 @dataclass
@@ -170,7 +166,10 @@ class BlackBoxAgent(Agent):
             timed_out = not await self._wait(proc, session, ctx)
         finally:
             if proc is not None:
-                await asyncio.shield(_stop(proc))
+                # SIGTERM alone: a SIGHUP would end the loopback forwarder before it reaps the harness it
+                # passes the SIGTERM on to. The group is always killed at the end, so nothing the harness
+                # left in the background outlives the trajectory.
+                await asyncio.shield(stop_group(proc, proc.exited, STOP_GRACE_S, term_signals=(signal.SIGTERM,)))
                 sb.session_ids.discard(proc.pid)
             await asyncio.shield(server.close())
         # The harness could have put a link at its log's name by now: read it without following one.
@@ -204,27 +203,6 @@ class BlackBoxAgent(Agent):
             for task in (exited, ended):
                 task.cancel()
             await asyncio.gather(exited, ended, return_exceptions=True)
-
-
-async def _stop(proc: Child) -> None:
-    """SIGTERM to the harness's process group, then SIGKILL; the group is always killed at the
-    end so nothing the harness left in the background outlives the trajectory. Not
-    ``pty_session.stop_group``: its SIGHUP would end the loopback forwarder before it reaps the
-    harness it passes the SIGTERM on to."""
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                log.error("harness process %d did not exit after SIGKILL; the sandbox's stop will end it", proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 register_agent(BlackBoxAgent.name, BlackBoxAgent)
