@@ -155,6 +155,42 @@ async def test_stop_kills_what_is_still_forking(backend: SandboxBackend) -> None
         await lease.destroy()
 
 
+async def test_a_released_lease_holds_no_file_open_when_its_folders_are_removed(backend: SandboxBackend) -> None:
+    # A file removed while this process holds it open is freed by the last close, on the event
+    # loop; closed first, rm frees it in its own process.
+    lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
+    lease_dir = lease.sandbox.lease_dir
+    held_at_removal: list[list[str]] = []
+    remove_folders = lease.sandbox.remove_folders
+
+    async def remove_folders_noting_open_files() -> None:
+        held_at_removal.append(_open_files_under(lease_dir))
+        await remove_folders()
+
+    lease.sandbox.remove_folders = remove_folders_noting_open_files  # type: ignore[method-assign]
+    try:
+        assert (await lease.run("echo hi")).output.strip() == "hi"
+        assert (await lease.ipython("6 * 7")).result == "42"
+        assert _open_files_under(lease_dir), "the shell's command file is held open while the lease lives"
+    finally:
+        await lease.destroy()
+    assert held_at_removal == [[]]
+    assert not lease_dir.exists()
+
+
+def _open_files_under(folder: Path) -> list[str]:
+    """The files and folders under ``folder`` that this process holds open."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            continue
+        if Path(target.removesuffix(" (deleted)")).is_relative_to(folder):
+            paths.append(target)
+    return paths
+
+
 async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend) -> None:
     # What a node's supervisor sends: one census for every worker. A census that says the lease's
     # processes are far over its limit must be acted on without a scan of the pool's own.

@@ -294,7 +294,7 @@ class ApptainerSandbox(Sandbox):
     def proc_memory_bytes(self, rss: Counter[int]) -> int:
         return resident_bytes(self._proc) if self._proc is not None else super().proc_memory_bytes(rss)
 
-    async def stop(self) -> None:
+    async def halt(self) -> None:
         init = self._init
         rung = "exited"
         if init is not None and init.alive:
@@ -315,7 +315,6 @@ class ApptainerSandbox(Sandbox):
             self._monitor = None
         self.stop_rung = rung
         self.backend.forget_instance(self.instance_name)
-        await self.remove_folders()
 
 
 class ApptainerBackend(SandboxBackend):

@@ -184,6 +184,11 @@ class Sandbox(abc.ABC):
             self.cgroup = None
 
     async def remove_folders(self) -> None:
+        """Remove the lease's folders (a second call finds nothing to do). Call it once nothing
+        of this process holds a file there open: the last close of a removed file frees its inode
+        in the closing process, which on a busy disk held the event loop for up to 29 ms a close."""
+        if not self.lease_dir.exists():
+            return
         # rm(1) in a child: shutil.rmtree in a worker thread takes the GIL back between its
         # hundreds of unlinks and stalls the loop (measured: the loop's p99 round trip 0.14 ms
         # against 0.05 ms with rm, its worst 8-14 ms against 3-5). rm spends about the same CPU,
@@ -196,9 +201,14 @@ class Sandbox(abc.ABC):
     async def start(self) -> None:
         """Create the sandbox; raise SandboxStartError with an actionable message on failure."""
 
-    @abc.abstractmethod
     async def stop(self) -> None:
-        """Destroy the sandbox and everything running in it; never raises."""
+        """Destroy the sandbox, everything running in it and its folders; never raises."""
+        await self.halt()
+        await self.remove_folders()
+
+    @abc.abstractmethod
+    async def halt(self) -> None:
+        """End the sandbox and everything running in it, leaving its folders; never raises."""
 
     def exec_argv(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> list[str]:
         """The host command line that runs ``argv`` inside the sandbox (and its memory cgroup)."""

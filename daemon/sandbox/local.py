@@ -83,7 +83,7 @@ class LocalSandbox(Sandbox):
     async def start(self) -> None:
         self.prepare_host()
 
-    async def stop(self) -> None:
+    async def halt(self) -> None:
         # Without a PID namespace to tear down, killing is a race with whatever still forks: a
         # process started between a scan and the death of its parent escapes that pass. So kill
         # until a scan finds nothing; once the forking parents are dead, the next pass is the last.
@@ -104,7 +104,6 @@ class LocalSandbox(Sandbox):
             log.warning("local sandbox %s: processes %s survived %d rounds of SIGKILL", self.id,
                         await asyncio.to_thread(self.process_ids), _KILL_PASSES)
         self.stop_rung = "sigkill" if killed else "exited"
-        await self.remove_folders()
 
     def _exec_argv(self, argv: list[str], *, cwd: str | None, env: dict[str, str] | None) -> list[str]:
         # The daemon's own interpreter first on PATH: `python3` in a local sandbox is the one with

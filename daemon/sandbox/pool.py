@@ -144,18 +144,24 @@ class Lease:
         return result
 
     async def stop_sandbox(self) -> None:
-        """Stop the sandbox and everything running in it (never raises); sets ``sandbox_stopped``."""
+        """Stop the sandbox, everything running in it and its folders (never raises); sets
+        ``sandbox_stopped``. Its sessions' files go with the folders: to be closed by :meth:`destroy`."""
         await self.sandbox.stop()
         self.sandbox_stopped.set()
 
     async def destroy(self) -> None:
         # The sandbox first: killing an instance's init ends every process inside at once, so the
-        # sessions below only have to reap and close their sockets.
-        await self.stop_sandbox()
-        await self.shell.close()
-        if self.kernel is not None:
-            await self.kernel.close()
-        await self.sandbox.remove_cgroup()
+        # sessions below only have to reap and close their files. The folders after those closes,
+        # so that rm, not this loop, frees the files' inodes (Sandbox.remove_folders).
+        await self.sandbox.halt()
+        self.sandbox_stopped.set()
+        try:
+            await self.shell.close()
+            if self.kernel is not None:
+                await self.kernel.close()
+        finally:
+            await self.sandbox.remove_folders()
+            await self.sandbox.remove_cgroup()
 
 
 async def open_lease(sandbox: Sandbox, *, start_kernel: bool = False, gate: StartGate | None = None) -> Lease:
