@@ -145,7 +145,8 @@ class Lease:
 
     async def stop_sandbox(self) -> None:
         """Stop the sandbox, everything running in it and its folders (never raises); sets
-        ``sandbox_stopped``. Its sessions' files go with the folders: to be closed by :meth:`destroy`."""
+        ``sandbox_stopped``. For the watchdog: a lost lease's folders go at once (a full disk is
+        freed), before :meth:`destroy` closes the sessions' files."""
         await self.sandbox.stop()
         self.sandbox_stopped.set()
 
