@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from os_users import ensure_test_user
+from support.descriptors import descriptor_targets
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "start-test-slurm"
@@ -84,16 +85,7 @@ def processes_of(uid: int, run_dir: Path, sid: int) -> list[str]:
 
 
 def _pipes(pid: int) -> set[str]:
-    found = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("pipe:"):
-                    found.add(target)
-    except OSError:
-        pass
-    return found
+    return {t for t in descriptor_targets(pid) if t.startswith("pipe:")}
 
 
 def pipes_shared_outside_session(pid: int) -> set[str]:

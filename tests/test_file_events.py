@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.descriptors import descriptor_targets
 from support.waits import async_wait_until
 
 from rolloutd.native_io.file_events import NamesAppear
@@ -51,8 +52,7 @@ async def test_a_link_in_place_of_the_folder_is_refused(tmp_path: Path) -> None:
 
 
 def _inotify_instances() -> int:
-    return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify" for fd in os.listdir("/proc/self/fd")
-               if os.path.islink(f"/proc/self/fd/{fd}"))
+    return descriptor_targets().count("anon_inode:inotify")
 
 
 CLOSE_S = 5.0

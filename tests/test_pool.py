@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.descriptors import descriptor_targets
 from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
@@ -180,15 +181,7 @@ async def test_a_released_lease_holds_no_file_open_when_its_folders_are_removed(
 
 def _open_files_under(folder: Path) -> list[str]:
     """The files and folders under ``folder`` that this process holds open."""
-    paths = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # the listing's own descriptor, closed since
-            continue
-        if Path(target.removesuffix(" (deleted)")).is_relative_to(folder):
-            paths.append(target)
-    return paths
+    return [t for t in descriptor_targets() if Path(t.removesuffix(" (deleted)")).is_relative_to(folder)]
 
 
 async def test_watchdog_uses_a_given_census_while_fresh(backend: SandboxBackend) -> None:

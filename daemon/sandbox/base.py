@@ -184,11 +184,10 @@ class Sandbox(abc.ABC):
             self.cgroup = None
 
     async def remove_folders(self) -> None:
-        """Remove the lease's folders (a second call finds nothing to do). Call it once nothing
-        of this process holds a file there open: the last close of a removed file frees its inode
-        in the closing process, which on a busy disk held the event loop for up to 29 ms a close."""
-        if not self.lease_dir.exists():
-            return
+        """Remove the lease's folders (again, after the watchdog's stop: rm -rf of nothing). Call
+        it once nothing of this process holds a file there open: the last close of a removed file
+        frees its inode in the closing process, which on a busy disk held the event loop for up to
+        29 ms a close."""
         # rm(1) in a child: shutil.rmtree in a worker thread takes the GIL back between its
         # hundreds of unlinks and stalls the loop (measured: the loop's p99 round trip 0.14 ms
         # against 0.05 ms with rm, its worst 8-14 ms against 3-5). rm spends about the same CPU,
