@@ -49,7 +49,8 @@ from common import check_targets, print_table, standard_args, write_json  # noqa
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend, ApptainerSandbox  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
 from rolloutd.daemon.sandbox.images import resolve_image  # noqa: E402
-from rolloutd.daemon.sandbox.pool import Lease, WarmPool, open_lease  # noqa: E402
+from rolloutd.daemon.sandbox.lease import Lease, open_lease  # noqa: E402
+from rolloutd.daemon.sandbox.pool import WarmPool  # noqa: E402
 from rolloutd.daemon.sandbox.start_gate import StartGateConfig  # noqa: E402
 
 TARGET = 0.8

@@ -43,7 +43,8 @@ from common import (check_targets, interleaved_async, loop_lag, print_table, sta
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend  # noqa: E402
 from rolloutd.daemon.sandbox.base import SandboxSpec  # noqa: E402
-from rolloutd.daemon.sandbox.pool import Lease, WarmPool, open_lease  # noqa: E402
+from rolloutd.daemon.sandbox.lease import Lease, open_lease  # noqa: E402
+from rolloutd.daemon.sandbox.pool import WarmPool  # noqa: E402
 from rolloutd.daemon.sessions.ipython import KernelSession  # noqa: E402
 from rolloutd.native_io.pty_session import default_shell_argv  # noqa: E402
 

@@ -28,7 +28,7 @@ from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxSpec
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 
 
 async def _cpu_ms(reps: int, call: Callable[[], Awaitable[Any]]) -> float:

@@ -17,27 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
-import re
-import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CommandTimeout, SessionError
-from .host_files import create, open_folder
 from .output import OutputCollector, tail
+from .pty_command import COMMAND_FILE, CommandFile, OutputScanner, SentinelTokens, Turns
 from .spawn import Child, spawn_pty, stop_group
 
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
-_SENTINEL_RE = re.compile(rb"\x1eRLD([0-9a-f]{16}):(-?\d+)\x1e\n")
-# Longest tail that can still be the start of a sentinel: \x1eRLD + 16 hex + : + rc + \x1e\n
-_SENTINEL_HOLD = 4 + 16 + 1 + 12 + 2
-_COMMAND_FILE = "cmd.sh"
 
 
 @dataclass(frozen=True)
@@ -76,64 +70,25 @@ class PtyShellConfig:
     term_grace_s: float = 0.5
 
 
-class CommandFile:
-    """The file the shell sources for each command (the PTY carries only a short line naming it)."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._dir_fd: int | None = None
-        """The folder, held from the first write on: the sandbox can write in it (see host_files)."""
-        self._fd: int | None = None
-        self._size = 0
-
-    def write(self, payload: bytes) -> None:
-        # One descriptor held open and rewritten in place: open(O_TRUNC) costs ~0.3 ms on ext4
-        # with discard, more than the whole command round trip.
-        if self._fd is None:
-            self._fd = self._create(_COMMAND_FILE)
-            self._size = 0
-        os.pwrite(self._fd, payload, 0)
-        if len(payload) < self._size:  # a longer or equal payload covers the last one whole
-            os.ftruncate(self._fd, len(payload))
-        self._size = len(payload)
-
-    def disarm(self) -> None:
-        # On a loaded node the ^C can land before the shell has read the line that sources the
-        # command file; that line then still runs after the interrupt (the terminal keeps it,
-        # see NOFLSH in spawn_pty). An empty file renamed over the command makes that late run a
-        # no-op; a shell that already opened the old file is running it, and the ^C stops it.
-        # A rename, not a truncation: a shell reading the file sees all of it or none.
-        fd = self._create(f"{_COMMAND_FILE}.next")
-        os.rename(f"{_COMMAND_FILE}.next", _COMMAND_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = fd
-        self._size = 0
-
-    def _create(self, name: str) -> int:
-        if self._dir_fd is None:
-            self._dir_fd = open_folder(self._folder)
-        # Readable by the shell's user whoever writes it; the folder (0700) keeps everyone else out.
-        return create(self._dir_fd, name, mode=0o644)
-
-    def close(self) -> None:
-        for fd in (self._fd, self._dir_fd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._dir_fd = None
+Done = Callable[["CommandResult | BaseException"], None]
+"""Where :meth:`PtySession.start_now` sends what :meth:`PtySession.run` would return or raise."""
 
 
-class SentinelTokens:
-    """Each command's sentinel carries a token of its own, so a late sentinel (of a command that was
-    interrupted) never ends the next one: the session's random half, then a count (a random token
-    per command cost a getrandom(2) each)."""
+@dataclass
+class _Command:
+    """One command, from the write of its line to its sentinel."""
 
-    def __init__(self) -> None:
-        self._key = secrets.token_hex(4)
-        self._count = itertools.count()
+    collector: OutputCollector
+    timeout_s: float
+    waiter: asyncio.Future[int]
+    """Gets the sentinel's exit code (the reader), or the timeout, the shell's exit, a cancel."""
+    timer: asyncio.TimerHandle
+    t0: float = field(default_factory=time.monotonic)
 
-    def next(self) -> str:
-        return f"{self._key}{next(self._count) & 0xFFFFFFFF:08x}"
+    def result(self, rc: int, *, restarted: bool) -> CommandResult:
+        out, truncated = self.collector.text()
+        return CommandResult(exit_code=rc, output=out, truncated=truncated, output_bytes=self.collector.total,
+                             duration_s=time.monotonic() - self.t0, shell_restarted=restarted)
 
 
 def _write_all(fd: int | None, data: bytes, name: str) -> None:
@@ -148,8 +103,10 @@ def _write_all(fd: int | None, data: bytes, name: str) -> None:
         view = view[n:]
 
 
-class PtySession:
-    """One persistent shell. Commands run one at a time (a lock serialises callers)."""
+class ShellTerminal:
+    """A bash on a pseudo-terminal: its process (started, stopped, restarted), the terminal's
+    output, and control lines that each end with a sentinel. :class:`PtySession` runs commands
+    on it."""
 
     def __init__(self, config: PtyShellConfig, *, name: str = "shell") -> None:
         self.config = config
@@ -158,12 +115,13 @@ class PtySession:
         self._fd: int | None = None
         """The terminal's controller side."""
         self._exited: asyncio.Future[int] | None = None
-        self._scan = bytearray()
-        self._collector: OutputCollector | None = None
+        self._output = OutputScanner()
         self._waiter: asyncio.Future[int] | None = None
         self._token = ""
         self._tokens = SentinelTokens()
-        self._lock = asyncio.Lock()
+        self._lock = Turns()
+        self._now: Callable[[int], None] | None = None
+        """Called with the exit code in place of the waiter's result (``PtySession.start_now``)."""
         self._command_file = CommandFile(config.command_dir_host)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.restarts = 0
@@ -241,9 +199,7 @@ class PtySession:
         assert self._exited is not None
         # Drain what the shell printed before it died; no sentinel can follow now.
         self._on_readable()
-        if self._collector is not None:
-            self._collector.add(self._scan)
-        self._scan.clear()
+        self._output.flush()
         if not self._exited.done():
             self._exited.set_result(code)
         if self._waiter is not None and not self._waiter.done():
@@ -264,34 +220,20 @@ class PtySession:
                 return
             if not chunk:
                 return
-            self._feed(chunk)
+            self._output.feed(chunk, self._on_sentinel)
             if len(chunk) < _READ_SIZE:  # all there was; more wakes the loop's reader again
                 return
 
-    def _feed(self, chunk: bytes) -> None:
-        self._scan += chunk
-        while True:
-            m = _SENTINEL_RE.search(self._scan)
-            if m is None:
-                break
-            before = memoryview(self._scan)[: m.start()]
-            if self._collector is not None:
-                self._collector.add(before)
-            before.release()
-            token, rc = m.group(1).decode(), int(m.group(2))
-            del self._scan[: m.end()]
-            if token == self._token and self._waiter is not None and not self._waiter.done():
+    def _on_sentinel(self, token: str, rc: int) -> None:
+        if token == self._token and self._waiter is not None and not self._waiter.done():
+            if self._now is not None:
+                self._now(rc)
+            else:
                 self._waiter.set_result(rc)
-                # Whatever follows belongs to no command yet (a background job's output).
-        if len(self._scan) > _SENTINEL_HOLD:
-            # Keep the last bytes back: they may be the start of a sentinel still arriving.
-            cut = len(self._scan) - _SENTINEL_HOLD
-            if self._collector is not None:
-                self._collector.add(memoryview(self._scan)[:cut])
-            del self._scan[:cut]
 
-    async def _roundtrip(self, line: str, *, timeout: float) -> int:
-        """Send one control line followed by a sentinel and wait for the sentinel's exit code."""
+    def _send_line(self, line: str, *, timeout: float) -> tuple[asyncio.Future[int], asyncio.TimerHandle]:
+        """Send one control line followed by a sentinel; the future gets the sentinel's exit code,
+        or _Expired from the timer after ``timeout``."""
         assert self._loop is not None
         if not self.alive:
             raise SessionError(f"shell {self.name!r} is not running")
@@ -300,7 +242,12 @@ class PtySession:
         suffix = f"printf '\\036RLD{self._token}:%d\\036\\n' $?"
         _write_all(self._fd, f"{line}\n{suffix}\n".encode(), self.name)
         # A bare timer on the future: asyncio.wait_for would wrap it in a task per command.
-        timer = self._loop.call_later(timeout, _expire, waiter)
+        return waiter, self._loop.call_later(timeout, _expire, waiter)
+
+    async def _roundtrip(self, line: str, *, timeout: float) -> int:
+        return await self._wait(*self._send_line(line, timeout=timeout), timeout)
+
+    async def _wait(self, waiter: asyncio.Future[int], timer: asyncio.TimerHandle, timeout: float) -> int:
         try:
             return await waiter
         except _Expired:
@@ -308,70 +255,6 @@ class PtySession:
         finally:
             timer.cancel()
             self._waiter = None
-
-    # --- commands ---------------------------------------------------------------------------
-
-    async def run(self, command: str, *, timeout_s: float = 60.0) -> CommandResult:
-        """Run ``command`` (any bash text: multi-line, heredocs, pipes) and return its result.
-
-        On timeout the command gets SIGINT; if the shell does not come back within
-        ``interrupt_grace_s`` it is killed and respawned. Either way :class:`CommandTimeout` is
-        raised with the output so far in ``details["output"]``. A cancelled call interrupts its
-        command the same way before it returns.
-        """
-        async with self._lock:
-            if not self.alive:
-                await self._respawn()
-            payload = (command if command.endswith("\n") else command + "\n").encode(
-                "utf-8", "surrogateescape"
-            )
-            self._command_file.write(payload)
-            shell_path = f"{self.config.command_dir_shell}/{_COMMAND_FILE}"
-            collector = OutputCollector(self.config.max_output_bytes)
-            # What the shell wrote since the last command ended (a late notice after its sentinel,
-            # a background job) may still sit in the terminal, unread: it is not this command's.
-            self._on_readable()
-            self._scan.clear()
-            self._collector = collector
-            t0 = time.monotonic()
-            restarted = False
-            try:
-                try:
-                    rc = await self._roundtrip(f". {shell_path} </dev/null", timeout=timeout_s)
-                except CommandTimeout:
-                    restarted = await self._interrupt()
-                    out, truncated = collector.text()
-                    raise CommandTimeout(
-                        f"command exceeded its {timeout_s} s limit (timeout_s) and was interrupted"
-                        + ("; the shell did not recover and was restarted (cwd and environment reset)"
-                           if restarted else "")
-                        + (f"; last output: {tail(out)!r}" if out else ""),
-                        details={"output": out, "truncated": truncated, "shell_restarted": restarted,
-                                 "output_bytes": collector.total, "limit_s": timeout_s},
-                    ) from None
-                except asyncio.CancelledError:
-                    # Its caller gave up: the command must not hold the shell for the next one
-                    # (nor its queued line source the next one's file). Killed if it ignores ^C.
-                    if self.alive:
-                        await self._interrupt(respawn=False)
-                    raise
-                except _ShellExited as e:
-                    rc = e.code
-                    restarted = True
-                    # The new shell's first prompt is not this command's output.
-                    self._collector = None
-                    await self._respawn()
-            finally:
-                self._collector = None
-            out, truncated = collector.text()
-            return CommandResult(
-                exit_code=rc,
-                output=out,
-                truncated=truncated,
-                output_bytes=collector.total,
-                duration_s=time.monotonic() - t0,
-                shell_restarted=restarted,
-            )
 
     async def _interrupt(self, *, respawn: bool = True) -> bool:
         """SIGINT through the terminal; returns True when the shell had to be killed (and, with
@@ -395,8 +278,131 @@ class PtySession:
         await self.start()
 
 
+class PtySession(ShellTerminal):
+    """One persistent shell for commands, run one at a time, in arrival order."""
+
+    def __init__(self, config: PtyShellConfig, *, name: str = "shell") -> None:
+        super().__init__(config, name=name)
+        self._finishing: set[asyncio.Future[CommandResult]] = set()
+        """Commands of :meth:`start_now` that did not end plainly, finished in a task (held here:
+        the loop holds tasks only weakly)."""
+
+    async def run(self, command: str, *, timeout_s: float = 60.0) -> CommandResult:
+        """Run ``command`` (any bash text: multi-line, heredocs, pipes) and return its result.
+
+        On timeout the command gets SIGINT; if the shell does not come back within
+        ``interrupt_grace_s`` it is killed and respawned. Either way :class:`CommandTimeout` is
+        raised with the output so far in ``details["output"]``. A cancelled call interrupts its
+        command the same way before it returns.
+        """
+        async with self._lock:
+            if not self.alive:
+                await self._respawn()
+            return await self._outcome(self._begin(command, timeout_s))
+
+    def start_now(self, command: str, *, timeout_s: float, done: Done,
+                  then: Callable[[Awaitable[CommandResult]], Awaitable[CommandResult]] | None = None,
+                  ) -> asyncio.Future[int] | None:
+        """:meth:`run` for a caller that cannot wait: the command starts at once if the shell is up
+        and free, and None (nothing started) otherwise. ``done`` gets what run() would return or
+        raise: from the terminal's reader when the command ends with its sentinel, with no task
+        and no round of the event loop (a third of a command's latency through the daemon, see
+        ``bench/client_latency.py``); from a task when it timed out, ended the shell or was
+        cancelled, through ``then`` (which may check or replace that outcome). The returned
+        future's ``cancel()`` cancels the command as cancelling run() does."""
+        if not self.alive or not self._lock.take_now():
+            return None
+        try:
+            cmd = self._begin(command, timeout_s)
+        except BaseException:
+            self._lock.give()
+            raise
+
+        def ended(rc: int) -> None:
+            cmd.timer.cancel()
+            self._waiter = self._output.collector = self._now = None
+            self._lock.give()
+            done(cmd.result(rc, restarted=False))
+
+        def not_plain(_: asyncio.Future[int]) -> None:
+            self._now = None
+            outcome = self._outcome_in_turn(cmd)
+            task = asyncio.ensure_future(then(outcome) if then else outcome)
+            self._finishing.add(task)
+            task.add_done_callback(lambda t: (self._finishing.discard(t), done(_settled(t))))
+
+        self._now = ended
+        cmd.waiter.add_done_callback(not_plain)  # only a timeout, the shell's exit or a cancel completes it
+        return cmd.waiter
+
+    def _begin(self, command: str, timeout_s: float) -> _Command:
+        payload = (command if command.endswith("\n") else command + "\n").encode("utf-8", "surrogateescape")
+        self._command_file.write(payload)
+        collector = OutputCollector(self.config.max_output_bytes)
+        # What the shell wrote since the last command ended (a late notice after its sentinel,
+        # a background job) may still sit in the terminal, unread: it is not this command's.
+        self._on_readable()
+        self._output.start(collector)
+        try:
+            waiter, timer = self._send_line(f". {self.config.command_dir_shell}/{COMMAND_FILE} </dev/null",
+                                            timeout=timeout_s)
+        except BaseException:
+            self._output.collector = None
+            raise
+        return _Command(collector, timeout_s, waiter, timer)
+
+    async def _outcome_in_turn(self, cmd: _Command) -> CommandResult:
+        try:
+            return await self._outcome(cmd)
+        finally:
+            self._lock.give()
+
+    async def _outcome(self, cmd: _Command) -> CommandResult:
+        """Wait for ``cmd``'s end, and recover the shell when it does not end plainly."""
+        timeout_s, collector = cmd.timeout_s, cmd.collector
+        restarted = False
+        try:
+            try:
+                rc = await self._wait(cmd.waiter, cmd.timer, timeout_s)
+            except CommandTimeout:
+                restarted = await self._interrupt()
+                raise _timed_out(timeout_s, collector, restarted=restarted) from None
+            except asyncio.CancelledError:
+                # Its caller gave up: the command must not hold the shell for the next one
+                # (nor its queued line source the next one's file). Killed if it ignores ^C.
+                if self.alive:
+                    await self._interrupt(respawn=False)
+                raise
+            except _ShellExited as e:
+                rc = e.code
+                restarted = True
+                # The new shell's first prompt is not this command's output.
+                self._output.collector = None
+                await self._respawn()
+        finally:
+            self._output.collector = None
+        return cmd.result(rc, restarted=restarted)
+
+
 class _Expired(Exception):
     pass
+
+
+def _timed_out(timeout_s: float, collector: OutputCollector, *, restarted: bool) -> CommandTimeout:
+    out, truncated = collector.text()
+    return CommandTimeout(
+        f"command exceeded its {timeout_s} s limit (timeout_s) and was interrupted"
+        + ("; the shell did not recover and was restarted (cwd and environment reset)" if restarted else "")
+        + (f"; last output: {tail(out)!r}" if out else ""),
+        details={"output": out, "truncated": truncated, "shell_restarted": restarted,
+                 "output_bytes": collector.total, "limit_s": timeout_s},
+    )
+
+
+def _settled(task: asyncio.Future[CommandResult]) -> CommandResult | BaseException:
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception() or task.result()
 
 
 def _expire(waiter: asyncio.Future[int]) -> None:

@@ -29,7 +29,7 @@ from rolloutd.daemon.policy.server import (
 from rolloutd.daemon.policy.tokenizer import load_tokenizer
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.daemon.tasks.datasets import bundled_dir
 
 API_KEY = "agent-test-key"

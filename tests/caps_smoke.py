@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
-from rolloutd.daemon.sandbox.pool import Lease, WarmPool
+from rolloutd.daemon.sandbox.lease import Lease
+from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.local import LocalBackend
 from rolloutd.native_io.errors import SandboxLimit

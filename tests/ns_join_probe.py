@@ -13,7 +13,7 @@ from typing import Any
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxSpec
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 
 NAMESPACES = ("mnt", "pid", "user", "net", "ipc")
 PROBE = ("pwd; id -u; id -g; grep -E '^(NoNewPrivs|CapEff):' /proc/self/status; "

@@ -15,7 +15,7 @@ from rolloutd.daemon.agents.editor import (
 )
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sandbox.lease import Lease, open_lease
 from rolloutd.native_io.errors import ToolCallError
 
 SOURCE = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"

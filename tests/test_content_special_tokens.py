@@ -33,7 +33,7 @@ from rolloutd.daemon.policy.scripted import PAST_END_REPLY
 from rolloutd.daemon.policy.tokenizer import STRIP_THINK_TEMPLATE_PATH, load_tokenizer
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.native_io.errors import ConfigError, SpecialTokenInContent
 
 TOOLS = tool_schemas(ipython=False)

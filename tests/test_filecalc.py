@@ -11,7 +11,7 @@ import pytest
 from rolloutd.daemon.agents.base import make_agent
 from rolloutd.daemon.agents.toolcalls import BASH, SUBMIT, parse_tool_call
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
-from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sandbox.lease import Lease, open_lease
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import resolve_task
 from rolloutd.daemon.tasks.filecalc import expected, generate, oracle_replies, split

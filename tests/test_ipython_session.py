@@ -16,7 +16,7 @@ import pytest
 from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
-from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sandbox.lease import Lease, open_lease
 from rolloutd.daemon.sessions import ipython
 from rolloutd.daemon.sessions.ipython import _CONNECTED_SOCKETS, KernelSession
 from rolloutd.daemon.sessions.jupyter_wire import KernelChannels, KernelMessage

@@ -10,7 +10,7 @@ import pytest
 
 from rolloutd.daemon.sandbox import local
 from rolloutd.daemon.sandbox.base import SandboxSpec
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.native_io.procfs import live_processes
 
 SANDBOXES = 24

@@ -15,7 +15,8 @@ from support.waits import async_wait_until
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import WarmPool, open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
+from rolloutd.daemon.sandbox.pool import WarmPool
 from rolloutd.native_io.errors import SandboxLost, SandboxStartError, SessionError
 
 WAIT_S = 30.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import select
 import shutil
@@ -15,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxLimits, SandboxSpec
-from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sandbox.lease import Lease, open_lease
 from rolloutd.native_io.errors import CommandTimeout
 from rolloutd.native_io.procfs import live_processes
-from rolloutd.native_io.pty_session import PtySession, PtyShellConfig, default_shell_argv
+from rolloutd.native_io.pty_command import Turns
+from rolloutd.native_io.pty_session import CommandResult, PtySession, PtyShellConfig, default_shell_argv
 
 from os_users import ensure_test_user
 from support.waits import async_wait_until
@@ -27,14 +29,46 @@ STARTED_TIMEOUT_S = 10.0
 LATE_OUTPUT_TIMEOUT_S = 10.0
 NEXT_COMMAND_TIMEOUT_S = 15.0
 """For the command after a cancelled ``sleep 30``: half the sleep, room for a loaded machine."""
+TURN_TIMEOUT_S = 5.0
+"""For a waiter the turn was given to: no process involved, a loaded machine's scheduling only."""
 
 
-@pytest.fixture
-async def lease(backend: SandboxBackend) -> AsyncIterator[Lease]:
+@pytest.fixture(params=["awaited", "started_now"])
+async def lease(request: pytest.FixtureRequest, backend: SandboxBackend) -> AsyncIterator[Lease]:
+    """A lease whose ``run`` either awaits the command (``Lease.run``) or, as a worker does for a
+    client's command, starts it at once when the shell is free (``Lease.run_now``): both must
+    behave the same in every test here."""
     spec = SandboxSpec(ipython=False, limits=SandboxLimits(max_output_bytes=4096))
     lease = await open_lease(backend.create(spec))
+    if request.param == "started_now":
+        lease.run = functools.partial(run_started_now, lease)  # type: ignore[method-assign]
     yield lease
     await lease.destroy()
+
+
+async def run_started_now(lease: Lease, command: str, *, timeout_s: float | None = None) -> CommandResult:
+    """``Lease.run`` through ``Lease.run_now``, as the worker calls it: the outcome comes to a
+    callback, a cancel goes to the handle; a busy shell gets the awaited path."""
+    outcome: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+
+    def done(result: CommandResult | BaseException) -> None:
+        if isinstance(result, BaseException):
+            outcome.set_exception(result)
+        else:
+            outcome.set_result(result)
+
+    handle = lease.run_now(command, timeout_s=timeout_s, done=done)
+    if handle is None:
+        return await Lease.run(lease, command, timeout_s=timeout_s)
+    try:
+        return await asyncio.shield(outcome)
+    except asyncio.CancelledError:
+        if outcome.done():
+            raise
+        handle.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await outcome  # answered once the command is interrupted
+        raise
 
 
 async def test_exit_code_and_output(lease: Lease) -> None:
@@ -237,3 +271,48 @@ def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+async def test_turns_go_in_arrival_order_and_a_cancelled_waiter_passes_its_turn_on() -> None:
+    turns = Turns()
+    assert turns.take_now() and not turns.take_now()
+    order: list[str] = []
+
+    async def take(name: str) -> None:
+        await turns.take()
+        order.append(name)
+
+    first, second, third = (asyncio.ensure_future(take(n)) for n in ("first", "second", "third"))
+    await asyncio.sleep(0)  # all three queued behind the turn taken now
+    second.cancel()
+    turns.give()
+    await asyncio.wait_for(first, TURN_TIMEOUT_S)
+    assert order == ["first"] and not turns.take_now()
+    turns.give()
+    await asyncio.wait_for(third, TURN_TIMEOUT_S)
+    assert order == ["first", "third"]
+    turns.give()
+    assert not turns.locked() and turns.take_now()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+
+
+async def test_a_turn_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
+    turns = Turns()
+    assert turns.take_now()
+    handed, nxt = asyncio.ensure_future(turns.take()), asyncio.ensure_future(turns.take())
+    await asyncio.sleep(0)
+    turns.give()  # the turn is handed to the first waiter ...
+    handed.cancel()  # ... which is cancelled before it runs
+    await asyncio.wait_for(nxt, TURN_TIMEOUT_S)
+    assert turns.locked() and not turns.take_now()
+    turns.give()
+    assert not turns.locked()
+
+
+async def test_a_command_started_now_is_not_started_on_a_busy_shell(lease: Lease) -> None:
+    running = asyncio.ensure_future(Lease.run(lease, "sleep 0.5; echo first >> order"))
+    await async_wait_until(lambda: lease.shell._lock.locked(), STARTED_TIMEOUT_S, "the first command's turn")
+    assert lease.run_now("echo second >> order", timeout_s=10, done=lambda _: None) is None
+    await running
+    assert (await lease.run("cat order")).output == "first\n"

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.native_io.errors import CommandTimeout
 from rolloutd.native_io.host_files import read_tail
 from rolloutd.native_io.pty_session import _COMMAND_FILE

@@ -15,7 +15,7 @@ from support.waits import async_wait_until
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxLimits, SandboxSpec
 from rolloutd.daemon.sandbox.caps import find_breaches
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.native_io.errors import ConfigError
 
 pytestmark = pytest.mark.apptainer

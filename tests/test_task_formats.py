@@ -18,7 +18,7 @@ from rolloutd.client.async_client import RolloutRequest
 from rolloutd.client.sync_client import RolloutClient
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.daemon.tasks import harbor, swebench_task
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import resolve_task

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
-from rolloutd.daemon.sandbox.pool import Lease, open_lease
+from rolloutd.daemon.sandbox.lease import Lease, open_lease
 from rolloutd.daemon.tasks.base import get_task_type
 from rolloutd.daemon.tasks.datasets import bundled_dir, resolve_task
 from rolloutd.daemon.tasks.swe import SweTaskType, _tree_files

@@ -37,7 +37,7 @@ from rolloutd.daemon.inference.vllm_server import VLLMServer
 from rolloutd.daemon.inference.vllm_weights import push_weights
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
-from rolloutd.daemon.sandbox.pool import open_lease
+from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.daemon.node.sandbox_user import workers_dir
 from rolloutd.native_io.errors import InferenceError
 from inference_support import API_KEY, policy_server

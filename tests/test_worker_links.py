@@ -87,6 +87,18 @@ async def test_commands_go_on_the_link_exactly_once(short_tmp: Path) -> None:
                 assert (await sb.run("echo still")).output == "still\n"
 
 
+async def test_commands_sent_together_run_one_at_a_time_in_order(short_tmp: Path) -> None:
+    """The first starts at once on the free shell (``Lease.run_now``), the others wait their turn
+    in tasks: none may start while another holds the shell, and all run in the order sent."""
+    with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:
+        async with AsyncRolloutClient(address) as c:
+            async with await c.open_sandbox(ipython=False) as sb:
+                results = await asyncio.gather(sb.run("sleep 0.3; echo 1 >> order"), sb.run("echo 2 >> order"),
+                                               sb.run("sleep 0.1; echo 3 >> order"), sb.run("echo 4 >> order"))
+                assert [r.exit_code for r in results] == [0, 0, 0, 0]
+                assert (await sb.run("cat order")).output == "1\n2\n3\n4\n"
+
+
 async def test_no_link_for_a_client_that_takes_arrays_as_frames(short_tmp: Path) -> None:
     """Such a client may be on another host (the node makes every TCP and router client one)."""
     with node_daemon(short_tmp, "--backend", "local", "--workers", "1", "--warm", "1") as address:

@@ -15,7 +15,7 @@ from typing import Any
 
 from rolloutd.daemon.inference.base import GenerateResult, SamplingParams
 from rolloutd.daemon.inference.pool import ServerPool
-from rolloutd.daemon.sandbox.pool import Lease
+from rolloutd.daemon.sandbox.lease import Lease
 from rolloutd.native_io.errors import InferenceTimeout, OperationTimeout
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.wire import ExecuteResult

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,10 @@ import numpy as np
 import psutil
 import uvloop
 
+from rolloutd.daemon.node.answers import Answer, Handler, as_error, send_error
 from rolloutd.daemon.node.client_links import ClientLinks
 from rolloutd.daemon.node.config import NodeConfig
+from rolloutd.daemon.node.sandbox_requests import SandboxRequests
 from rolloutd.daemon.pipeline.rollout import PipelineLimits, RolloutPipeline
 from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
@@ -45,19 +47,11 @@ from rolloutd.native_io.wire import (
     PINNED_OPS,
     MsgType,
     RolloutArgs,
-    SandboxCloseArgs,
-    SandboxIPythonArgs,
-    SandboxOpenArgs,
-    SandboxRunArgs,
     SleepArgs,
     parse_args,
-    to_fields,
 )
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Any, dict[str, Any]], Awaitable[tuple[dict[str, Any], dict[str, np.ndarray]]]]
-
 
 @dataclass
 class ClientListener:
@@ -95,12 +89,11 @@ class Worker:
             start_kernels=config.warm_ipython,
         )
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.sandbox_requests = SandboxRequests(self.pool, self.default_spec, clients.path if clients else None,
+                                                self.index)
         self.arena = shm.SegmentArena(shm_prefix)
         self.handlers: dict[str, Handler] = {
-            "sandbox.open": self._sandbox_open,
-            "sandbox.run": self._sandbox_run,
-            "sandbox.ipython": self._sandbox_ipython,
-            "sandbox.close": self._sandbox_close,
+            **self.sandbox_requests.handlers(),
             "debug.make_arrays": _make_arrays,
             "rollout": self._rollout,
             "inference.add_server": self._inference_op,
@@ -176,7 +169,7 @@ class Worker:
             self.client_links.shut_down(supervisor_died=self.supervisor_gone)
         for task in self.tasks.values():
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self.tasks.values(), self.sandbox_requests.cancel_all(), return_exceptions=True)
         if self.pipeline is not None:
             await self.pipeline.inference.close()
         await self.pool.close()
@@ -210,27 +203,31 @@ class Worker:
         task = self.tasks.get(rid)
         if task is not None:
             task.cancel(msg="cancelled by the client")
+        else:
+            self.sandbox_requests.cancel(rid)
 
     def start_request(self, rid: str, header: dict[str, Any], buffers: list[Any],
-                      answer: Callable[[list[Any]], None]) -> None:
+                      answer: Answer) -> None:
         """Run a request in its own task; its one answer goes to ``answer`` (supervisor or client link)."""
-        if rid in self.tasks:  # the same id from the supervisor and a client link: run once
-            _send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
+        if rid in self.tasks or rid in self.sandbox_requests:  # the same id from the supervisor and a client link
+            send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
             return
         assert self.loop is not None  # requests come from the links, which serve() opens
+        if header.get("op") == "sandbox.run" and self.sandbox_requests.run_now(rid, header, answer):
+            return
         task = self.loop.create_task(self._handle(rid, header, buffers, answer))
         self.tasks[rid] = task
         task.add_done_callback(functools.partial(self._finished, rid, answer))
 
-    def _finished(self, rid: str, answer: Callable[[list[Any]], None], task: asyncio.Task[None]) -> None:
+    def _finished(self, rid: str, answer: Answer, task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
         if task.cancelled():
             # Cancelled before its first step (the CANCEL came in the same read as the request):
             # _handle never ran, so the request's one answer is given here.
-            _send_error(answer, rid, Cancelled(f"request {rid} was cancelled before it started"))
+            send_error(answer, rid, Cancelled(f"request {rid} was cancelled before it started"))
 
     async def _handle(self, rid: str, header: dict[str, Any], buffers: list[Any],
-                      answer: Callable[[list[Any]], None]) -> None:
+                      answer: Answer) -> None:
         # Pinned ops are never re-dispatched anyway; a rollout is "started" only once a sample enters
         # its first stage, so rollouts still queued here are re-dispatched if this worker dies.
         if header.get("op") not in PINNED_OPS and header.get("op") != "rollout":
@@ -247,13 +244,8 @@ class Worker:
                     refs, bufs = framing.arrays_to_frames(arrays)
             answer(framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]},
                                   bufs))
-        except asyncio.CancelledError:
-            _send_error(answer, rid, Cancelled(f"request {rid} was cancelled"))
-        except RolloutdError as e:
-            _send_error(answer, rid, e)
-        except Exception as e:  # a bug must still answer the request
-            log.exception("worker %d: request %s failed", self.index, rid)
-            _send_error(answer, rid, RolloutdError(f"internal error in worker {self.index}: {e!r}"))
+        except (Exception, asyncio.CancelledError) as e:
+            send_error(answer, rid, as_error(rid, e, self.index))
 
     async def _stats_loop(self) -> None:
         proc = psutil.Process()
@@ -261,7 +253,7 @@ class Worker:
             self.arena.trim()
             if self.client_links is not None:
                 self.client_links.forget_expired(time.monotonic())
-            stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks), "rss_bytes": proc.memory_info().rss,
+            stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks) + len(self.sandbox_requests), "rss_bytes": proc.memory_info().rss,
                      "pid": os.getpid(), "shm_arena": self.arena.stats()}
             if self.client_links is not None:
                 stats["client_links"] = dict(self.client_links.counters)
@@ -269,33 +261,6 @@ class Worker:
                 stats.update(extra())
             self.send(MsgType.STATS, {"index": self.index, "stats": stats})
             await asyncio.sleep(1.0)
-
-    # --- sandbox ops ---------------------------------------------------------------------------
-
-    async def _sandbox_open(self, args: SandboxOpenArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        spec = SandboxSpec(image=args.image, network=args.network, ipython=args.ipython, writable=args.writable,
-                           limits=self.default_spec.limits)
-        lease = await asyncio.wait_for(self.pool.lease(spec), args.timeout_s)
-        sb = lease.sandbox
-        result = {"sandbox_id": lease.id, "backend": sb.backend_name, "isolated": sb.isolated,
-                  "workspace": sb.workspace_inside, "ipython": lease.offers_ipython}
-        # Only a client that shares this node's memory (the supervisor makes every other one
-        # take arrays as frames) is on this node and can reach the link's socket.
-        if self.client_listener is not None and header.get("arrays") == "shm":
-            result["link"] = str(self.client_listener.path)
-        return result, {}
-
-    async def _sandbox_run(self, args: SandboxRunArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        result = await self.pool.get(args.sandbox_id).run(args.command, timeout_s=args.timeout_s)
-        return to_fields(result), {}
-
-    async def _sandbox_ipython(self, args: SandboxIPythonArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        result = await self.pool.get(args.sandbox_id).ipython(args.code, timeout_s=args.timeout_s)
-        return to_fields(result), {}
-
-    async def _sandbox_close(self, args: SandboxCloseArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        await self.pool.release(self.pool.get(args.sandbox_id))
-        return {"closed": args.sandbox_id}, {}
 
     async def _rollout(self, args: RolloutArgs, header: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         assert self.pipeline is not None
@@ -364,18 +329,6 @@ async def apply_inference_op(pool: Any, op: str, args: Any) -> dict[str, Any]:
     else:
         await pool.resume_all()
     return {"servers": pool.status().get("servers", [])}
-
-
-def _send_error(answer: Callable[[list[Any]], None], rid: str, e: RolloutdError) -> None:
-    answer(framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": _plain(e.details)}))
-
-
-def _plain(details: dict[str, Any]) -> dict[str, Any]:
-    """Details as msgpack-able values (anything else becomes its repr)."""
-    out = {}
-    for k, v in details.items():
-        out[str(k)] = v if isinstance(v, (str, int, float, bool, type(None), list, dict)) else repr(v)
-    return out
 
 
 PR_SET_PDEATHSIG = 1

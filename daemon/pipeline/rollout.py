@@ -32,7 +32,8 @@ from ..agents.context import SandboxAgentContext
 from ..inference import SamplingParams, ServerPool
 from ..openai_proxy import agent as _blackbox_agent  # noqa: F401  (registers the ``blackbox`` agent by name)
 from ..sandbox.base import SandboxLimits, SandboxSpec
-from ..sandbox.pool import Lease, WarmPool
+from ..sandbox.lease import Lease
+from ..sandbox.pool import WarmPool
 from ..tasks.base import EvalResult, Task, get_task_type
 from ..tasks.datasets import resolve_task
 from .clock import StageClock

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from rolloutd.native_io.errors import TaskError
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from rolloutd.native_io.output import tail
 from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 
 class CommandTaskType(TaskType):

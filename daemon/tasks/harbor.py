@@ -35,7 +35,7 @@ from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
 from .sandbox_files import copy_tree_in, read_file
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 TESTS_INSIDE = "/tests"
 SOLUTION_INSIDE = "/solution"

@@ -30,7 +30,7 @@ from rolloutd.native_io.host_files import DIR_FLAGS, open_regular
 from rolloutd.native_io.output import tail
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 COPY_TIMEOUT_S = 300.0

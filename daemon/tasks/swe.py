@@ -40,7 +40,7 @@ from .base import SHELL_STEP_TIMEOUT_S, EvalResult, Task, TaskType, require
 from .sandbox_files import IGNORED, copy_tree_in, read_file, write_file
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 REPO_FOLDER = "repo"
 GIT_CHECKOUT_TIMEOUT_S = 300.0

@@ -33,7 +33,7 @@ from .sandbox_files import read_file, write_file
 from .swe import SweTaskType
 
 if TYPE_CHECKING:
-    from ..sandbox.pool import Lease
+    from ..sandbox.lease import Lease
 
 TESTBED = "/testbed"
 LOG_MAX_BYTES = 64 << 20
