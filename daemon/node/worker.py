@@ -208,7 +208,8 @@ class Worker:
 
     def start_request(self, rid: str, header: dict[str, Any], buffers: list[Any],
                       answer: Answer) -> None:
-        """Run a request in its own task; its one answer goes to ``answer`` (supervisor or client link)."""
+        """Run a request in its own task, or a shell command at once when its shell is free
+        (``SandboxRequests.run_now``); its one answer goes to ``answer`` (supervisor or client link)."""
         if rid in self.tasks or rid in self.sandbox_requests:  # the same id from the supervisor and a client link
             send_error(answer, rid, DuplicateRequest(f"request {rid} is already running on worker {self.index}"))
             return

@@ -86,7 +86,7 @@ class Lease:
             return None
 
         def ended(outcome: CommandResult | BaseException) -> None:
-            done(self._lost() or outcome if isinstance(outcome, CommandResult) else outcome)
+            done((self._lost() or outcome) if isinstance(outcome, CommandResult) else outcome)
 
         return self.shell.start_now(command, timeout_s=self._limit(timeout_s), done=ended, then=self._unless_lost)
 
