@@ -13,7 +13,7 @@ from rolloutd.daemon.sandbox.base import SandboxBackend, SandboxSpec
 from rolloutd.daemon.sandbox.lease import open_lease
 from rolloutd.native_io.errors import CommandTimeout
 from rolloutd.native_io.host_files import read_tail
-from rolloutd.native_io.pty_session import _COMMAND_FILE
+from rolloutd.native_io.pty_command import COMMAND_FILE
 
 PRECIOUS = "a host file the sandbox must not reach\n"
 
@@ -30,11 +30,11 @@ async def test_a_link_planted_in_the_command_folder_is_not_written_through(backe
                                                                           short_tmp: Path) -> None:
     lease = await open_lease(backend.create(SandboxSpec(ipython=False)))
     try:
-        victims = _victims(short_tmp, [f"{_COMMAND_FILE}.next"])
+        victims = _victims(short_tmp, [f"{COMMAND_FILE}.next"])
         sh = f"{lease.sandbox.run_dir_inside}/sh"
         # After an interrupt the next command goes to a new command file, made under this name
         # and renamed over the old one: the moment the daemon creates a file there again.
-        planted = await lease.run(f"ln -sf {victims[f'{_COMMAND_FILE}.next']} {sh}/{_COMMAND_FILE}.next && echo ok")
+        planted = await lease.run(f"ln -sf {victims[f'{COMMAND_FILE}.next']} {sh}/{COMMAND_FILE}.next && echo ok")
         assert planted.output.strip() == "ok"
         try:
             await lease.run("sleep 30", timeout_s=0.5)
