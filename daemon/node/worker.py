@@ -53,6 +53,7 @@ from rolloutd.native_io.wire import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class ClientListener:
     """The listening socket the supervisor bound for this worker's client links."""
@@ -254,8 +255,8 @@ class Worker:
             self.arena.trim()
             if self.client_links is not None:
                 self.client_links.forget_expired(time.monotonic())
-            stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks) + len(self.sandbox_requests), "rss_bytes": proc.memory_info().rss,
-                     "pid": os.getpid(), "shm_arena": self.arena.stats()}
+            stats = {"pool": self.pool.stats(), "in_flight": len(self.tasks) + len(self.sandbox_requests),
+                     "rss_bytes": proc.memory_info().rss, "pid": os.getpid(), "shm_arena": self.arena.stats()}
             if self.client_links is not None:
                 stats["client_links"] = dict(self.client_links.counters)
             for extra in self.extra_stats:
