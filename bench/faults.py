@@ -53,7 +53,6 @@ from rolloutd.native_io.wire import MsgType  # noqa: E402
 from rolloutd.daemon.tasks.datasets import oracle_plans  # noqa: E402
 from rolloutd.native_io import shm  # noqa: E402
 from rolloutd.native_io.errors import DaemonLost  # noqa: E402
-from rolloutd.native_io.wire import MsgType  # noqa: E402
 
 MEMORY_HOG = "python3 -c 'x = bytearray(20 * 2**30)'; echo survived"
 WORKSPACE_MB = 256

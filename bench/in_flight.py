@@ -22,7 +22,6 @@ apptainer`` runs it that way; ``bench/burst_start.py`` measures instance starts)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import json

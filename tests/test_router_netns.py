@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from daemon_fixtures import CLI, router_daemon, start_nodes, stop_node
+from daemon_fixtures import router_daemon, start_nodes, stop_node
 from router_support import Federation, keygen
 
 SUBNET = "10.231.7"

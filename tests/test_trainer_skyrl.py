@@ -11,7 +11,6 @@ What is not run here: SkyRL's trainer loop itself (Ray actors and FSDP/Megatron 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from adapters_support import real_module, skyrl_module, trajectories

@@ -34,7 +34,7 @@ from swerex.runtime.abstract import (AbstractRuntime, BashAction, BashInterruptA
 from rolloutd.native_io.errors import CommandTimeout, RolloutdError
 from rolloutd.native_io.pty_session import CommandResult
 
-from .shell_channel import FILE_TIMEOUT_S, ShellChannel
+from .shell_channel import ShellChannel
 
 OPEN_TIMEOUT_S = 600.0
 """Leasing the sandbox: its image may be built first (a Dockerfile image)."""

@@ -51,7 +51,6 @@ from rolloutd.daemon.agents.content_text import ContentText
 from rolloutd.daemon.agents.tokens import TokenLedger
 from rolloutd.daemon.inference.base import GenerateResult
 from rolloutd.native_io.errors import BadRequest, ConfigError
-from rolloutd.native_io.trajectory import TurnRecord
 
 from .admission import context_exceeded
 from .protocol import ChatMessage, ChatRequest

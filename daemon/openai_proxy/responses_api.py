@@ -16,7 +16,6 @@ Agents SDK do).
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
