@@ -136,6 +136,11 @@ class Turns:
     def locked(self) -> bool:
         return self._busy
 
+    @property
+    def waiting(self) -> int:
+        """Callers queued for a turn (cancelled ones not yet skipped included)."""
+        return len(self._queue)
+
     def take_now(self) -> bool:
         """Take the turn if nobody has it; False (nothing taken) otherwise."""
         if self._busy:
@@ -152,7 +157,8 @@ class Turns:
             await waiter
         except asyncio.CancelledError:
             if waiter.cancelled():
-                self._queue.remove(waiter)
+                if waiter in self._queue:  # give() may have skipped it already
+                    self._queue.remove(waiter)
             else:  # handed the turn, then cancelled before it ran: pass the turn on
                 self.give()
             raise

@@ -301,8 +301,7 @@ class PtySession(ShellTerminal):
             return await self._outcome(self._begin(command, timeout_s))
 
     def start_now(self, command: str, *, timeout_s: float, done: Done,
-                  then: Callable[[Awaitable[CommandResult]], Awaitable[CommandResult]] | None = None,
-                  ) -> asyncio.Future[int] | None:
+                  then: Callable[[Awaitable[CommandResult]], Awaitable[CommandResult]]) -> asyncio.Future[int] | None:
         """:meth:`run` for a caller that cannot wait: the command starts at once if the shell is up
         and free, and None (nothing started) otherwise. ``done`` gets what run() would return or
         raise: from the terminal's reader when the command ends with its sentinel, with no task
@@ -326,8 +325,7 @@ class PtySession(ShellTerminal):
 
         def not_plain(_: asyncio.Future[int]) -> None:
             self._now = None
-            outcome = self._outcome_in_turn(cmd)
-            task = asyncio.ensure_future(then(outcome) if then else outcome)
+            task = asyncio.ensure_future(then(self._outcome_in_turn(cmd)))
             self._finishing.add(task)
             task.add_done_callback(lambda t: (self._finishing.discard(t), done(_settled(t))))
 

@@ -283,7 +283,7 @@ async def test_turns_go_in_arrival_order_and_a_cancelled_waiter_passes_its_turn_
         order.append(name)
 
     first, second, third = (asyncio.ensure_future(take(n)) for n in ("first", "second", "third"))
-    await asyncio.sleep(0)  # all three queued behind the turn taken now
+    await async_wait_until(lambda: turns.waiting == 3, TURN_TIMEOUT_S, "three callers queued behind the turn")
     second.cancel()
     turns.give()
     await asyncio.wait_for(first, TURN_TIMEOUT_S)
@@ -301,13 +301,25 @@ async def test_a_turn_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
     turns = Turns()
     assert turns.take_now()
     handed, nxt = asyncio.ensure_future(turns.take()), asyncio.ensure_future(turns.take())
-    await asyncio.sleep(0)
+    await async_wait_until(lambda: turns.waiting == 2, TURN_TIMEOUT_S, "two callers queued behind the turn")
     turns.give()  # the turn is handed to the first waiter ...
     handed.cancel()  # ... which is cancelled before it runs
     await asyncio.wait_for(nxt, TURN_TIMEOUT_S)
     assert turns.locked() and not turns.take_now()
     turns.give()
     assert not turns.locked()
+
+
+async def test_a_waiter_cancelled_and_skipped_at_once_leaves_the_turn_free() -> None:
+    turns = Turns()
+    assert turns.take_now()
+    waiter = asyncio.ensure_future(turns.take())
+    await async_wait_until(lambda: turns.waiting == 1, TURN_TIMEOUT_S, "a caller queued behind the turn")
+    waiter.cancel()
+    turns.give()  # skips the cancelled waiter before its task has run
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiter, TURN_TIMEOUT_S)
+    assert not turns.locked() and turns.waiting == 0
 
 
 async def test_a_command_started_now_is_not_started_on_a_busy_shell(lease: Lease) -> None:

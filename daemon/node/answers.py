@@ -30,6 +30,12 @@ def as_error(rid: str, e: BaseException, worker_index: int) -> RolloutdError:
     return RolloutdError(f"internal error in worker {worker_index}: {e!r}")
 
 
+def reply_frames(rid: str, result: dict[str, Any], refs: list[dict[str, Any]] | None = None,
+                 buffers: list[Any] | None = None) -> list[Any]:
+    """A request's reply: its result, and the references to its arrays (in ``buffers`` or shared memory)."""
+    return framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": refs or []}, buffers)
+
+
 def send_error(answer: Answer, rid: str, e: RolloutdError) -> None:
     answer(framing.encode(MsgType.ERROR, {"id": rid, "code": e.code, "message": str(e), "details": _plain(e.details)}))
 

@@ -17,11 +17,9 @@ import numpy as np
 
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.pool import WarmPool
-from rolloutd.native_io import framing
 from rolloutd.native_io.errors import RolloutdError
 from rolloutd.native_io.pty_session import CommandResult
 from rolloutd.native_io.wire import (
-    MsgType,
     SandboxCloseArgs,
     SandboxIPythonArgs,
     SandboxOpenArgs,
@@ -30,7 +28,7 @@ from rolloutd.native_io.wire import (
     to_fields,
 )
 
-from .answers import Answer, Handler, as_error, send_error
+from .answers import Answer, Handler, as_error, reply_frames, send_error
 
 Reply = tuple[dict[str, Any], dict[str, np.ndarray]]
 
@@ -78,7 +76,7 @@ class SandboxRequests:
             self._now.pop(rid, None)
             answered.set_result(None)
             if isinstance(outcome, CommandResult):
-                answer(framing.encode(MsgType.REPLY, {"id": rid, "result": to_fields(outcome), "refs": []}))
+                answer(reply_frames(rid, to_fields(outcome)))
             else:
                 send_error(answer, rid, as_error(rid, outcome, self.worker_index))
 

@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 import uvloop
 
-from rolloutd.daemon.node.answers import Answer, Handler, as_error, send_error
+from rolloutd.daemon.node.answers import Answer, Handler, as_error, reply_frames, send_error
 from rolloutd.daemon.node.client_links import ClientLinks
 from rolloutd.daemon.node.config import NodeConfig
 from rolloutd.daemon.node.sandbox_requests import SandboxRequests
@@ -244,8 +244,7 @@ class Worker:
                     refs = self.arena.write(arrays)
                 else:
                     refs, bufs = framing.arrays_to_frames(arrays)
-            answer(framing.encode(MsgType.REPLY, {"id": rid, "result": result, "refs": [r.to_wire() for r in refs]},
-                                  bufs))
+            answer(reply_frames(rid, result, [r.to_wire() for r in refs], bufs))
         except (Exception, asyncio.CancelledError) as e:
             send_error(answer, rid, as_error(rid, e, self.index))
 
