@@ -17,7 +17,9 @@ CPU grows with the rollouts a node holds.
 
 Last, ``cpu_floor`` measures in this process what the cheapest possible turn of the 32 level costs
 with the same components (sandbox life, inference call, shell command, observation encoding),
-the lower bound the measured figure is compared with.
+the lower bound the measured figure is compared with, and ``cpu_parts`` what the floor leaves out
+(task set-up and evaluation, IPython kernels, the agent's bookkeeping, the watchdog), so that what
+is left of the measured figure is seen, not guessed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import Panel, check_targets, daemon_cpu_s, plot_panels, print_table, standard_args, write_json  # noqa: E402
 from agent_support import mask_runs  # noqa: E402
 from cpu_floor import measure_floor  # noqa: E402
+from cpu_parts import measure_left_out  # noqa: E402
 from daemon_fixtures import node_daemon  # noqa: E402
 
 from rolloutd.client.async_client import RolloutRequest  # noqa: E402
@@ -77,6 +81,7 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
     (cpu0, watchdog0), t0 = cpu_s(client), time.monotonic()
     pending = set(client.submit(requests[:in_flight]))
     submitted, turns, agent_cpu, rewards, model_tokens = in_flight, 0, [], [], 0
+    agent_cpu_s, cells = 0.0, []
     waits = {"tool_s": 0.0, "generate_s": 0.0}
     rollout_s: list[float] = []
     observations: list[np.ndarray] = []
@@ -93,6 +98,8 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
                 observations += [t.response_ids[a:b].copy() for a, b in mask_runs(t.response_mask == 0)]
                 prompt_ids = prompt_ids or t.prompt_ids.tolist()
                 agent_cpu.extend(t.metrics.get("agent_cpu_s_per_turn", []))
+                agent_cpu_s += t.metrics["agent_cpu_s"]
+                cells.append(t.tools["ipython"].count if "ipython" in t.tools else 0)
                 for key in waits:
                     waits[key] += t.metrics[key]
                 events = t.metrics["stage_events"]
@@ -108,15 +115,26 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
             "watchdog_ms_per_turn": 1e3 * watchdog / turns,
             "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),
+            "agent_all_cpu_ms_per_turn": 1e3 * agent_cpu_s / turns, "kernel_share": statistics.fmean(c > 0 for c in cells),
+            "cells_per_rollout": statistics.fmean(cells),
             "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids,
             "tool_ms_per_turn": 1e3 * waits["tool_s"] / turns, "generate_ms_per_turn": 1e3 * waits["generate_s"] / turns,
             "rollout_s_p50": statistics.median(rollout_s)}
 
 
+@dataclass
+class TurnCpu:
+    """A level's turn against its parts, each measured alone: the floor's (ms per turn), a
+    sandbox's life (ms), and the parts the floor leaves out (ms per turn)."""
+    floor: dict[str, float]
+    sandbox_life_ms: float
+    left_out: dict[str, float]
+
+
 def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
-               floor_of: int | None = None) -> tuple[dict[int, dict[str, Any]], tuple[dict[str, float], float] | None]:
+               floor_of: int | None = None) -> tuple[dict[int, dict[str, Any]], TurnCpu | None]:
     """Each level (in flight: rollouts) on one node daemon and scripted policy server following
-    ``plans``; and the CPU floor of a turn of level ``floor_of`` (see ``measure_floor``)."""
+    ``plans``; and the parts of a turn of level ``floor_of`` (``measure_floor``, ``measure_left_out``)."""
     work = Path(tempfile.mkdtemp(prefix="rld-rt-"))
     (work / "plans.json").write_text(json.dumps({"plans": plans}))
     api_key = secrets.token_hex(16)
@@ -131,13 +149,18 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
                 for in_flight, total in levels.items():
                     out[in_flight] = {**run_level(client, sorted(plans), in_flight, total, agent_config),
                                       "rollouts": total}
-        floor = None
-        if floor_of is not None:
-            r = out[floor_of]
-            floor = uvloop.run(measure_floor(url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
-                                              model_tokens_per_turn=r["model_tokens_per_turn"],
-                                              turns_per_rollout=r["turns"] / r["rollouts"]))
-    return out, floor
+        if floor_of is None:
+            return out, None
+        r = out[floor_of]
+        turns_per_rollout = r["turns"] / r["rollouts"]
+        floor, life_ms = uvloop.run(measure_floor(url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
+                                                  model_tokens_per_turn=r["model_tokens_per_turn"],
+                                                  turns_per_rollout=turns_per_rollout))
+    left_out = uvloop.run(measure_left_out(
+        sorted(plans), turns_per_rollout=turns_per_rollout, kernel_share=r["kernel_share"],
+        cells_per_rollout=r["cells_per_rollout"], agent_ms_per_turn=r["agent_all_cpu_ms_per_turn"],
+        observation_encode_ms=floor["observation_encode"], watchdog_ms_per_turn=r["watchdog_ms_per_turn"]))
+    return out, TurnCpu(floor, life_ms, left_out)
 
 
 def main() -> int:
@@ -152,12 +175,12 @@ def main() -> int:
     plans = oracle_plans()
     results: dict[str, float] = {}
     rows = []
-    floor: tuple[dict[str, float], float] | None = None
+    turn_cpu: TurnCpu | None = None
     curves: list[dict[str, Any]] = []
     for suffix, level_plans, level_set in (("", plans, levels),
                                            ("_probes", with_probes(plans, PROBE_TURNS), {32: levels[32]})):
-        level_results, measured_floor = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
-        floor = floor or measured_floor
+        level_results, measured = run_levels(level_plans, level_set, floor_of=32 if not suffix else None)
+        turn_cpu = turn_cpu or measured
         for in_flight, r in level_results.items():
             rows.append([f"{in_flight} {suffix.strip('_')}".strip(), r["rollouts"], r["rollouts_per_s"], r["wall_s"],
                          r["turns"], r["daemon_cpu_ms_per_turn"], r["watchdog_ms_per_turn"], r["agent_cpu_ms_per_turn"],
@@ -174,18 +197,23 @@ def main() -> int:
     print_table("Bundled tasks end to end (scripted reference policy, Apptainer sandboxes)",
                 ["in flight", "rollouts", "rollouts/s", "wall s", "agent turns", "daemon CPU ms/turn",
                  "of it watchdog", "agent loop CPU ms/turn", "tool ms/turn", "model ms/turn", "rollout s p50", "mean reward"], rows)
-    assert floor is not None
-    parts, life_ms = floor
+    assert turn_cpu is not None
+    parts, life_ms, left_out = turn_cpu.floor, turn_cpu.sandbox_life_ms, turn_cpu.left_out
+    floor_ms, measured = sum(parts.values()), results["daemon_cpu_ms_per_turn_32"]
+    all_parts_ms = floor_ms + sum(left_out.values())
     results.update({f"floor_{k}_ms": v for k, v in parts.items()}, floor_sandbox_life_ms=life_ms,
-                   floor_ms_per_turn=sum(parts.values()))
+                   floor_ms_per_turn=floor_ms, **{f"left_out_{k}_ms": v for k, v in left_out.items()},
+                   parts_ms_per_turn=all_parts_ms)
     print_table(f"Least daemon CPU a turn at 32 in flight could cost (see cpu_floor.py; a sandbox's life is "
                 f"{life_ms:.2f} ms, over {results['turns_per_rollout_32']:.1f} turns)",
-                ["part", "ms per turn"], [*parts.items(), ("floor", results["floor_ms_per_turn"]),
-                                          ("measured", results["daemon_cpu_ms_per_turn_32"])])
+                ["part", "ms per turn"], [*parts.items(), ("floor", floor_ms), ("measured", measured)])
+    print_table("What the floor leaves out (see cpu_parts.py; the agent and the watchdog timed in the workers "
+                "during the level, the rest alone here)",
+                ["part", "ms per turn"], [*left_out.items(), ("floor and these", all_parts_ms), ("measured", measured),
+                                          ("measured - all parts", measured - all_parts_ms)])
     write_json(args.json, results)
     if args.plot:
-        plot(curves, results["floor_ms_per_turn"], args.plot)
-    measured, floor_ms = results["daemon_cpu_ms_per_turn"], results["floor_ms_per_turn"]
+        plot(curves, floor_ms, args.plot)
     ok = check_targets([
         (f"daemon CPU per turn at 32 in flight {measured:.2f} ms <= 1.5 x floor {floor_ms:.2f} ms",
          measured <= 1.5 * floor_ms),
