@@ -115,8 +115,8 @@ def run_level(client: RolloutClient, tasks: list[str], in_flight: int, total: in
     return {"rollouts_per_s": total / wall, "wall_s": wall, "turns": turns, "daemon_cpu_ms_per_turn": 1e3 * cpu / turns,
             "watchdog_ms_per_turn": 1e3 * watchdog / turns,
             "agent_cpu_ms_per_turn": 1e3 * statistics.fmean(agent_cpu), "mean_reward": statistics.fmean(rewards),
-            "agent_all_cpu_ms_per_turn": 1e3 * agent_cpu_s / turns, "kernel_share": statistics.fmean(c > 0 for c in cells),
-            "cells_per_rollout": statistics.fmean(cells),
+            "agent_all_cpu_ms_per_turn": 1e3 * agent_cpu_s / turns,
+            "kernel_share": statistics.fmean(c > 0 for c in cells), "cells_per_rollout": statistics.fmean(cells),
             "model_tokens_per_turn": model_tokens / turns, "observations": observations, "prompt_ids": prompt_ids,
             "tool_ms_per_turn": 1e3 * waits["tool_s"] / turns, "generate_ms_per_turn": 1e3 * waits["generate_s"] / turns,
             "rollout_s_p50": statistics.median(rollout_s)}
@@ -153,9 +153,9 @@ def run_levels(plans: dict[str, list[str]], levels: dict[int, int],
             return out, None
         r = out[floor_of]
         turns_per_rollout = r["turns"] / r["rollouts"]
-        floor, life_ms = uvloop.run(measure_floor(url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
-                                                  model_tokens_per_turn=r["model_tokens_per_turn"],
-                                                  turns_per_rollout=turns_per_rollout))
+        floor, life_ms = uvloop.run(measure_floor(
+            url, api_key, prompt_ids=r["prompt_ids"], observations=r["observations"],
+            model_tokens_per_turn=r["model_tokens_per_turn"], turns_per_rollout=turns_per_rollout))
     left_out = uvloop.run(measure_left_out(
         sorted(plans), turns_per_rollout=turns_per_rollout, kernel_share=r["kernel_share"],
         cells_per_rollout=r["cells_per_rollout"], agent_ms_per_turn=r["agent_all_cpu_ms_per_turn"],
