@@ -55,15 +55,17 @@ async def _task_ms(backend: ApptainerBackend, task_id: str) -> float:
 async def _kernel_ms(backend: ApptainerBackend) -> tuple[float, float]:
     """(a kernel's start, first cell and stop; a further cell), process CPU in ms."""
     lease = await open_lease(backend.create(SandboxSpec(ipython=True)))
-    try:
-        lives = []
-        for _ in range(3):
-            kernel = KernelSession(lease.sandbox, name="parts")
-            t0 = time.process_time()
-            await kernel.start()
+
+    async def life() -> None:
+        kernel = KernelSession(lease.sandbox, name="parts")
+        await kernel.start()
+        try:
             await kernel.execute("x = 1")
+        finally:
             await kernel.close()
-            lives.append(1e3 * (time.process_time() - t0))
+
+    try:
+        lives = [(await _timed(life))[0] for _ in range(3)]
         kernel = await lease.start_kernel()
         await kernel.execute("x = 1")
         cells = [(await _timed(lambda: kernel.execute("x = 1")))[0] for _ in range(CELL_REPS)]
