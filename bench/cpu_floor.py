@@ -31,7 +31,7 @@ from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.lease import open_lease
 
 
-async def _cpu_ms(reps: int, call: Callable[[], Awaitable[Any]]) -> float:
+async def median_cpu_ms(reps: int, call: Callable[[], Awaitable[Any]]) -> float:
     """Median process CPU of ``call`` over ``reps`` runs after one warm-up (nothing else runs here)."""
     await call()
     samples = []
@@ -52,17 +52,18 @@ async def measure_floor(url: str, api_key: str, *, prompt_ids: list[int], observ
         async def sandbox_life() -> None:
             await (await open_lease(backend.create(SandboxSpec()))).destroy()
 
-        life_ms = await _cpu_ms(max(3, reps // 3), sandbox_life)
+        life_ms = await median_cpu_ms(max(3, reps // 3), sandbox_life)
         lease = await open_lease(backend.create(SandboxSpec()))
         try:
-            command_ms = await _cpu_ms(reps, lambda: lease.run("echo ok"))
+            command_ms = await median_cpu_ms(reps, lambda: lease.run("echo ok"))
         finally:
             await lease.destroy()
 
     params = SamplingParams(max_tokens=max(1, round(model_tokens_per_turn)), ignore_eos=True, seed=0)
     context = GrowingIds(prompt_ids)  # as the agent sends it: its JSON text made once
     async with await ServerPool.create(["vllm-generate+" + url], api_key=api_key) as pool:
-        generate_ms = await _cpu_ms(reps, lambda: pool.generate(context, params, trajectory_id="floor", timeout_s=60))
+        generate_ms = await median_cpu_ms(
+            reps, lambda: pool.generate(context, params, trajectory_id="floor", timeout_s=60))
 
     codec = TokenCodec(load_tokenizer())
     texts = [codec.decode(run.tolist()) for run in observations]

@@ -16,9 +16,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+
+from cpu_floor import median_cpu_ms
 
 from rolloutd.daemon.sandbox.apptainer import ApptainerBackend
 from rolloutd.daemon.sandbox.base import SandboxSpec
@@ -31,12 +31,7 @@ TASKS_TIMED = 8
 """Bundled tasks whose set-up and evaluation are timed (spread over the sorted list)."""
 EVAL_TIMEOUT_S = 120.0
 CELL_REPS = 15
-
-
-async def _timed(call: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
-    t0 = time.process_time()
-    out = await call()
-    return 1e3 * (time.process_time() - t0), out
+KERNEL_LIVES = 3
 
 
 async def _task_ms(backend: ApptainerBackend, task_id: str) -> float:
@@ -45,11 +40,12 @@ async def _task_ms(backend: ApptainerBackend, task_id: str) -> float:
     kind = get_task_type(task.type)
     lease = await open_lease(backend.create(SandboxSpec()))
     try:
-        setup_ms, workdir = await _timed(lambda: kind.setup(task, lease, cache_dir=backend.shared_dir / "task-cache"))
-        eval_ms, _ = await _timed(lambda: kind.evaluate(task, lease, workdir, timeout_s=EVAL_TIMEOUT_S))
+        t0 = time.process_time()
+        workdir = await kind.setup(task, lease, cache_dir=backend.shared_dir / "task-cache")
+        await kind.evaluate(task, lease, workdir, timeout_s=EVAL_TIMEOUT_S)
+        return 1e3 * (time.process_time() - t0)
     finally:
         await lease.destroy()
-    return setup_ms + eval_ms
 
 
 async def _kernel_ms(backend: ApptainerBackend) -> tuple[float, float]:
@@ -65,13 +61,11 @@ async def _kernel_ms(backend: ApptainerBackend) -> tuple[float, float]:
             await kernel.close()
 
     try:
-        lives = [(await _timed(life))[0] for _ in range(3)]
+        life_ms = await median_cpu_ms(KERNEL_LIVES, life)
         kernel = await lease.start_kernel()
-        await kernel.execute("x = 1")
-        cells = [(await _timed(lambda: kernel.execute("x = 1")))[0] for _ in range(CELL_REPS)]
+        return life_ms, await median_cpu_ms(CELL_REPS, lambda: kernel.execute("x = 1"))
     finally:
         await lease.destroy()
-    return statistics.median(lives), statistics.median(cells)
 
 
 async def measure_left_out(tasks: list[str], *, turns_per_rollout: float, kernel_share: float,
