@@ -440,15 +440,33 @@ def _engine_hosts() -> list[psutil.Process]:
             if "rolloutd.daemon.inference.engine_host" in " ".join(p.info["cmdline"] or [])]
 
 
+def _engine_threads(parent: psutil.Process) -> set[str | None]:
+    """OMP_NUM_THREADS as the processes of a vLLM engine under ``parent`` got it, each that shows its
+    environment (the engine core's own process title overwrites its copy)."""
+    return {env.get("OMP_NUM_THREADS") for p in parent.children(recursive=True) if (env := p.environ())}
+
+
+LEFT_A_CPU = str(max(1, len(os.sched_getaffinity(0)) - 1))
+"""The CPU model's OpenMP threads: the CPUs less the engine core's own loop's. With torch's default
+(one a CPU) one busy neighbour made every step wait out scheduler slices (bench/engine_contention.py)."""
+
+
+def test_the_servers_engine_leaves_a_cpu_to_its_own_loop(server: VLLMServer) -> None:
+    assert server.process is not None
+    process = psutil.Process(server.process.pid)
+    assert _engine_threads(process) | {process.environ().get("OMP_NUM_THREADS")} == {LEFT_A_CPU}
+
+
 def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Recompute, short_tmp: Path,
                                                   tmp_path: Path) -> None:
     env = {"ROLLOUTD_INFERENCE_ENGINE_ARGS": json.dumps({"max_model_len": 8192, "dtype": "float32"}),
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     tasks = ["wordwrap-001", "semver-010"]
-    before = len(_engine_hosts())
+    before = {p.pid for p in _engine_hosts()}
     with node_daemon(short_tmp / "n", "--backend", "local", "--workers", "2", "--warm", "1", "--ready-timeout-s",
                      "500", "--inference-server", f"vllm-inprocess:{model_dir}", env=env) as address:
-        assert len(_engine_hosts()) == before + 1  # one engine for the two workers
+        (host,) = [p for p in _engine_hosts() if p.pid not in before]  # one engine for the two workers
+        assert _engine_threads(host) == {LEFT_A_CPU}  # set by the host itself: it knows the build
         with RolloutClient(address) as client:
             client.set_weight_version("ip-1")
             ids = client.submit([RolloutRequest(task_id=t, n=2, sampling={"max_tokens": 32},
@@ -486,7 +504,7 @@ def test_one_inprocess_engine_serves_every_worker(model_dir: Path, recompute: Re
                 await engine.close()
             return aborted, pushed
         aborted, pushed = run(direct(), timeout_s=600)
-    assert len(_engine_hosts()) == before  # stopped with the node
+    assert {p.pid for p in _engine_hosts()} == before  # stopped with the node
     assert len(rows) == 4
     for prompt, response, mask, logprobs, versions in rows:
         assert versions == {"ip-1"} and mask.sum() > 0

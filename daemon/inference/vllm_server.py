@@ -33,6 +33,8 @@ READY_TIMEOUT_S = float(os.environ.get("ROLLOUTD_VLLM_READY_TIMEOUT_S", "300"))
 HEALTH_PROBE_TIMEOUT_S = 2.0
 READY_POLL_S = 0.5
 """How often a starting server's /health is asked (vLLM takes tens of seconds to start)."""
+
+
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Defaults for every vLLM engine rolloutd starts (server or node engine host); the caller's own
 environment wins, so a bench can set VLLM_ENABLE_V1_MULTIPROCESSING=1 to compare. Multiprocessing
@@ -41,6 +43,19 @@ off: vLLM's CPU platform otherwise runs the model in a worker process of its own
 core that the rollout workers feeding the engine need. With it off, the model runs inside the
 engine-core process, still apart from the server. AsyncLLM reads the setting nowhere else: one
 GPU already runs in-process and several still get worker processes."""
+
+
+def cpu_engine_threads() -> int:
+    """The OpenMP threads of a model run on the CPU inside the engine core (``ENGINE_ENV``): the
+    CPUs this process may use, less the one vLLM's CPU binding reserves for the core's own loop.
+
+    vLLM sets the count (and binds the threads) only when it starts its CPU worker process, so
+    with the model in the engine core torch took one thread per CPU, the loop's CPU included. The
+    threads wait for each other by spinning, so one busy neighbour on a CPU they share (a test
+    suite in a sandbox, a rollout worker) made every step wait out scheduler slices: on 2 CPUs the
+    tiny test model fell from 530-810 to 5-8 tokens a second beside one busy process
+    (``bench/engine_contention.py``), and a 3,000-token turn outlived the tests' 10-minute deadline."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def vllm_python() -> str:
@@ -98,9 +113,10 @@ class VLLMServer:
     def start(self, *, wait: bool = True, timeout_s: float = READY_TIMEOUT_S) -> VLLMServer:
         if self.process is not None and self.process.poll() is None:
             raise ConfigError(f"the vLLM server on port {self.port} is already running")
-        env = {**ENGINE_ENV, **os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-               "VLLM_SERVER_DEV_MODE": "1", "DO_NOT_TRACK": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        # This server always runs the CPU build (see the module's note).
+        env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(cpu_engine_threads()), **os.environ,
+               "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1", "DO_NOT_TRACK": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             # Its own session: a stop signals vLLM's engine-core and worker children too.
