@@ -33,8 +33,6 @@ READY_TIMEOUT_S = float(os.environ.get("ROLLOUTD_VLLM_READY_TIMEOUT_S", "300"))
 HEALTH_PROBE_TIMEOUT_S = 2.0
 READY_POLL_S = 0.5
 """How often a starting server's /health is asked (vLLM takes tens of seconds to start)."""
-
-
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 """Defaults for every vLLM engine rolloutd starts (server or node engine host); the caller's own
 environment wins, so a bench can set VLLM_ENABLE_V1_MULTIPROCESSING=1 to compare. Multiprocessing
