@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,19 @@ def standard_args(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer samples; finishes in under 40 s")
     p.add_argument("--json", type=Path, help="write the flat results object to this file")
     return p
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[None]:
+    """``count`` busy processes (a pure-Python loop each) while inside."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def write_json(path: Path | None, results: dict[str, Any]) -> None:

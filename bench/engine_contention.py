@@ -14,19 +14,17 @@ its idle speed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_targets, print_table, standard_args, write_json  # noqa: E402
+from common import burners, check_targets, print_table, standard_args, write_json  # noqa: E402
 
 from rolloutd.daemon.inference.vllm_server import VLLMServer, cpu_engine_threads, vllm_python  # noqa: E402
 from rolloutd.daemon.policy.tiny_model import ensure_tiny_model  # noqa: E402
@@ -34,17 +32,6 @@ from rolloutd.daemon.sandbox.images import cache_dir  # noqa: E402
 
 REQUEST_TIMEOUT_S = 900.0
 """One generation; a collapsed engine makes about 5 tokens a second."""
-
-
-@contextlib.contextmanager
-def busy_neighbour(on: bool) -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if on else None
-    try:
-        yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
 
 
 def tokens_per_s(url: str, n: int) -> float:
@@ -57,35 +44,26 @@ def tokens_per_s(url: str, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-@contextlib.contextmanager
-def omp_threads(n: int | None) -> Iterator[None]:
-    """OMP_NUM_THREADS for the servers started inside (None: rolloutd's default)."""
-    before = os.environ.pop("OMP_NUM_THREADS", None)
-    if n is not None:
-        os.environ["OMP_NUM_THREADS"] = str(n)
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
-        if before is not None:
-            os.environ["OMP_NUM_THREADS"] = before
-
-
 def main() -> int:
     args = standard_args(__doc__.splitlines()[0]).parse_args()
     rounds, idle_tokens, busy_tokens = (2, 300, 100) if args.quick else (4, 600, 200)
     model = ensure_tiny_model(cache_dir(), python=vllm_python())
     cpus = len(os.sched_getaffinity(0))
-    settings = {"torch_default": cpus, "rolloutd": None}
+    settings: dict[str, int | None] = {"torch_default": cpus, "rolloutd": None}
     results: dict[str, float] = {"cpus": cpus, "rolloutd_threads": cpu_engine_threads()}
     rows = []
     for name, threads in settings.items():
-        with omp_threads(threads), VLLMServer(model, max_model_len=4096) as server:
+        with mock.patch.dict(os.environ):  # the server takes its thread count from here
+            os.environ.pop("OMP_NUM_THREADS", None)
+            if threads is not None:
+                os.environ["OMP_NUM_THREADS"] = str(threads)
+            server = VLLMServer(model, max_model_len=4096).start()
+        with server:
             tokens_per_s(server.url, 50)  # warm-up
             speeds: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(rounds):
                 for busy in (False, True):
-                    with busy_neighbour(busy):
+                    with burners(1 if busy else 0):
                         speeds[busy].append(tokens_per_s(server.url, busy_tokens if busy else idle_tokens))
         idle, busy = statistics.median(speeds[False]), statistics.median(speeds[True])
         results |= {f"{name}_idle_tok_s": idle, f"{name}_busy_tok_s": busy, f"{name}_kept": busy / idle}

